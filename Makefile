@@ -1,0 +1,38 @@
+# genserve: `make serve` and `make test` set up .venv themselves.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+# The CPU wheel on this kind of machine; GPU images install their own torch (deploy/Dockerfile).
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+export RAY_USAGE_STATS_ENABLED := 0
+export RAY_AUTH_MODE := disabled
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+
+.PHONY: setup serve test lint protos load
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade "pip>=24"
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev,load]"
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(PY) -m services.serve
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q
+
+protos: $(STAMP)
+	$(PY) -m services.common.protogen
+
+load: $(STAMP)
+	$(PY) -m tests.load.run
