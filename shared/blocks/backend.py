@@ -1,0 +1,174 @@
+"""The single dispatch point between the building blocks and the compute that runs them.
+
+`get_backend(name=None)` returns a backend object; the name comes from the `GENSERVE_BACKEND` environment variable
+when not given: "auto" (default), "reference", "torch" or "triton". Every backend has the same four methods (the
+contract in docs/architecture.md):
+
+- attend(q, k, v, *, causal, sm_scale=None): q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D), Hq % Hkv == 0 (GQA read
+  natively); the causal mask is bottom-right aligned (query i sees keys j <= i + Nk - Nq);
+- paged_decode(q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None): q (B, Hq, D), caches
+  (num_blocks, block_size, Hkv, D), block_tables int32 (B, max_blocks), context_lens int32 (B,) -> (B, Hq, D);
+- rms_norm(x, weight, eps, residual=None): y, or (y, x + residual) with the norm taken of x + residual;
+- apply_rope(q, k, cos, sin, positions, *, interleaved=False): (q, k) rotated; cos/sin are (P, D/2) tables.
+
+"reference" is the written-out math of the seed, "torch" uses fused torch ops (SDPA), "triton" calls the kernels
+package, and "auto" picks triton for CUDA tensors when triton is importable and no gradient is needed (the kernels
+are forward-only), and torch otherwise. Modules hold a backend and never branch on devices themselves.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+import torch.nn.functional as F
+
+from shared.blocks import rope as _rope
+from shared.blocks.masks import causal_mask
+from shared.blocks.sdpa import scaled_dot_product_attention
+
+BACKEND_NAMES = ("auto", "reference", "torch", "triton")
+ENV_VAR = "GENSERVE_BACKEND"
+
+
+def _gather_paged(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """(num_blocks, bs, Hkv, D) gathered by (B, M) tables -> (B, Hkv, M*bs, D); unused table entries are clamped."""
+    tables = block_tables.long().clamp(0, cache.shape[0] - 1)
+    blocks = cache[tables]  # (B, M, bs, Hkv, D)
+    b, m, bs, h, d = blocks.shape
+    return blocks.reshape(b, m * bs, h, d).transpose(1, 2)
+
+
+class ReferenceBackend:
+    """The seed's equations written out: Def. 12 attention, Def. 19 RMSNorm, (ROPE QK)."""
+
+    name = "reference"
+
+    def attend(self, q, k, v, *, causal: bool, sm_scale: float | None = None) -> torch.Tensor:
+        mask = causal_mask(q.shape[2], k.shape[2], q.device) if causal else None
+        return scaled_dot_product_attention(q, k, v, mask, sm_scale=sm_scale)
+
+    def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None) -> torch.Tensor:
+        bs = k_cache.shape[1]
+        out = []
+        for b in range(q.shape[0]):
+            n = int(context_lens[b])
+            blocks = block_tables[b, : (n + bs - 1) // bs].long()
+            k = k_cache[blocks].flatten(0, 1)[:n].transpose(0, 1)  # (Hkv, n, D)
+            v = v_cache[blocks].flatten(0, 1)[:n].transpose(0, 1)
+            o = scaled_dot_product_attention(q[b, None, :, None], k[None], v[None], sm_scale=sm_scale)  # (1, Hq, 1, D)
+            out.append(o[0, :, 0])
+        return torch.stack(out)  # (B, Hq, D)
+
+    def rms_norm(self, x, weight, eps: float, residual=None):
+        if residual is not None:
+            x = x + residual
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        y = weight * y.to(x.dtype)
+        return y if residual is None else (y, x)
+
+    def apply_rope(self, q, k, cos, sin, positions, *, interleaved: bool = False):
+        return _rope.apply_rope(q, k, cos, sin, positions, interleaved)
+
+
+class TorchBackend(ReferenceBackend):
+    """Fused torch ops: F.scaled_dot_product_attention with native GQA, F.rms_norm."""
+
+    name = "torch"
+
+    def attend(self, q, k, v, *, causal: bool, sm_scale: float | None = None) -> torch.Tensor:
+        nq, nk = q.shape[2], k.shape[2]
+        gqa = q.shape[1] != k.shape[1]
+        if not causal or nq == 1:  # a single last query sees every key
+            return F.scaled_dot_product_attention(q, k, v, scale=sm_scale, enable_gqa=gqa)
+        if nq == nk:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=sm_scale, enable_gqa=gqa)
+        # SDPA's is_causal is top-left aligned; chunked prefill needs bottom-right, so pass the mask explicitly.
+        mask = causal_mask(nq, nk, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=sm_scale, enable_gqa=gqa)
+
+    def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None) -> torch.Tensor:
+        k = _gather_paged(k_cache, block_tables)  # (B, Hkv, M*bs, D)
+        v = _gather_paged(v_cache, block_tables)
+        keep = torch.arange(k.shape[2], device=q.device)[None, :] < context_lens.to(q.device).long()[:, None]
+        mask = keep[:, None, None, :]  # (B, 1, 1, M*bs)
+        gqa = q.shape[1] != k.shape[1]
+        o = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, scale=sm_scale, enable_gqa=gqa)
+        return o[:, :, 0]
+
+    def rms_norm(self, x, weight, eps: float, residual=None):
+        if residual is not None:
+            x = x + residual
+        y = weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+        return y if residual is None else (y, x)
+
+
+class TritonBackend:
+    """The Triton kernels of the `kernels` package (imported on first use, so CPU-only imports stay light)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        self._kernels = None
+
+    @property
+    def kernels(self):
+        if self._kernels is None:
+            import kernels
+
+            self._kernels = kernels
+        return self._kernels
+
+    def attend(self, q, k, v, *, causal: bool, sm_scale: float | None = None) -> torch.Tensor:
+        return self.kernels.flash_attention(q, k, v, causal=causal, sm_scale=sm_scale)
+
+    def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None) -> torch.Tensor:
+        return self.kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale=sm_scale)
+
+    def rms_norm(self, x, weight, eps: float, residual=None):
+        return self.kernels.rms_norm(x, weight, eps, residual=residual)
+
+    def apply_rope(self, q, k, cos, sin, positions, *, interleaved: bool = False):
+        return self.kernels.apply_rope(q, k, cos, sin, positions, interleaved=interleaved)
+
+
+class AutoBackend:
+    """Triton for CUDA tensors when triton is importable, torch otherwise; decided per call from the first input."""
+
+    name = "auto"
+
+    def __init__(self) -> None:
+        self._torch = TorchBackend()
+        self._triton = TritonBackend() if importlib.util.find_spec("triton") is not None else None
+
+    def _pick(self, t: torch.Tensor):
+        # The kernels are forward-only: training on a GPU must keep autograd, so it takes the torch path.
+        needs_grad = torch.is_grad_enabled() and t.requires_grad
+        return self._triton if self._triton is not None and t.is_cuda and not needs_grad else self._torch
+
+    def attend(self, q, k, v, *, causal: bool, sm_scale: float | None = None) -> torch.Tensor:
+        return self._pick(q).attend(q, k, v, causal=causal, sm_scale=sm_scale)
+
+    def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None) -> torch.Tensor:
+        return self._pick(q).paged_decode(q, k_cache, v_cache, block_tables, context_lens, sm_scale=sm_scale)
+
+    def rms_norm(self, x, weight, eps: float, residual=None):
+        return self._pick(x).rms_norm(x, weight, eps, residual)
+
+    def apply_rope(self, q, k, cos, sin, positions, *, interleaved: bool = False):
+        return self._pick(q).apply_rope(q, k, cos, sin, positions, interleaved=interleaved)
+
+
+Backend = ReferenceBackend | TorchBackend | TritonBackend | AutoBackend
+
+_FACTORIES = {"auto": AutoBackend, "reference": ReferenceBackend, "torch": TorchBackend, "triton": TritonBackend}
+
+
+def get_backend(name: str | None = None) -> Backend:
+    """A backend called `name`, else `$GENSERVE_BACKEND`, else "auto"; ValueError on an unknown name."""
+    name = name or os.environ.get(ENV_VAR) or "auto"
+    if name not in _FACTORIES:
+        raise ValueError(f"unknown backend {name!r} (from argument or ${ENV_VAR}); expected one of {BACKEND_NAMES}")
+    return _FACTORIES[name]()

@@ -1,0 +1,71 @@
+"""Feedforward networks: the MLP of Def. 1, the GELU FFN of the Transformer block, SwiGLU (Def. 20, Remark 15)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from shared.blocks.activations import activation
+
+
+class MLP(nn.Module):
+    """z_l = W_l a_{l-1} + b_l, a_l = sigma(z_l) for l = 1..L (Def. 1); the last layer is linear unless
+    `final_activation` is set. `widths` = (d_0, d_1, ..., d_L); the layers are `layers.0 .. layers.{L-1}`."""
+
+    def __init__(
+        self,
+        widths: Sequence[int],
+        act: str = "relu",
+        bias: bool = True,
+        final_activation: str | None = None,
+    ) -> None:
+        super().__init__()
+        if len(widths) < 2:
+            raise ValueError(f"widths needs at least input and output sizes, got {list(widths)}")
+        self.layers = nn.ModuleList(nn.Linear(a, b, bias=bias) for a, b in zip(widths[:-1], widths[1:], strict=True))
+        self.act = activation(act)
+        self.final_act = activation(final_activation) if final_activation else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[:-1]:
+            x = self.act(layer(x))
+        return self.final_act(self.layers[-1](x))
+
+
+class GeluFFN(nn.Module):
+    """FFN(x) = W_2 sigma(W_1 x + b_1) + b_2 with GELU (Algorithm 2's feedforward); names `fc1`, `fc2`."""
+
+    def __init__(self, dim: int, hidden_dim: int | None = None, act: str = "gelu", bias: bool = True) -> None:
+        super().__init__()
+        hidden_dim = hidden_dim or 4 * dim
+        self.fc1 = nn.Linear(dim, hidden_dim, bias=bias)
+        self.act = activation(act)
+        self.fc2 = nn.Linear(hidden_dim, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def swiglu_hidden_dim(dim: int, multiple_of: int = 256) -> int:
+    """d_ff = floor(2/3 * 4d) rounded up to a multiple of `multiple_of` (Remark 15; LLaMA's rule)."""
+    hidden = (2 * 4 * dim) // 3
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+class SwiGLU(nn.Module):
+    """SwiGLU(x) = (Swish(x W_1) * (x V)) W_2 (Def. 20).
+
+    Names follow HF Llama so checkpoints map 1:1: W_1 = `gate_proj`, V = `up_proj`, W_2 = `down_proj`.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int | None = None, bias: bool = False) -> None:
+        super().__init__()
+        hidden_dim = hidden_dim or swiglu_hidden_dim(dim)
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=bias)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))

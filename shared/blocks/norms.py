@@ -1,0 +1,63 @@
+"""Normalisation layers (seed Defs. 5, 6, 19; Remark 3) and one factory `norm(name, dim)`.
+
+BatchNorm normalises each feature over the batch, LayerNorm each sample over its features, GroupNorm each sample over
+groups of channels, RMSNorm each sample by its root mean square without centring. torch's BatchNorm/LayerNorm/
+GroupNorm are the implementation of Defs. 5-6; RMSNorm runs through the backend so CUDA gets the fused kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shared.blocks.backend import Backend, get_backend
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm(x) = x / RMS(x) * gamma, RMS(x) = sqrt(mean(x^2) + eps) (Def. 19); `weight` is gamma.
+
+    forward(x, residual) fuses the pre-norm residual add: it returns (norm(x + residual), x + residual).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, backend: Backend | None = None) -> None:
+        super().__init__()
+        if dim <= 0:
+            raise ValueError(f"dim must be positive, got {dim}")
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.backend = backend or get_backend()
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return self.backend.rms_norm(x, self.weight, self.eps, residual)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def group_norm(channels: int, groups: int = 32, eps: float = 1e-6, affine: bool = True) -> nn.GroupNorm:
+    """GroupNorm over `groups` groups of channels; raises when the groups do not divide the channels."""
+    if channels % groups:
+        raise ValueError(f"groups ({groups}) must divide channels ({channels})")
+    return nn.GroupNorm(groups, channels, eps=eps, affine=affine)
+
+
+NORM_NAMES = ("rmsnorm", "layernorm", "batchnorm", "batchnorm2d", "groupnorm")
+
+
+def norm(name: str, dim: int, **kwargs) -> nn.Module:
+    """Build a normalisation layer over `dim` features/channels by name.
+
+    "rmsnorm" (eps, backend), "layernorm" (eps, elementwise_affine, bias), "batchnorm" for (B, F) or (B, C, L),
+    "batchnorm2d" for (B, C, H, W) (eps, momentum, affine), "groupnorm" (groups, eps, affine).
+    """
+    if name == "rmsnorm":
+        return RMSNorm(dim, **kwargs)
+    if name == "layernorm":
+        return nn.LayerNorm(dim, **kwargs)
+    if name == "batchnorm":
+        return nn.BatchNorm1d(dim, **kwargs)
+    if name == "batchnorm2d":
+        return nn.BatchNorm2d(dim, **kwargs)
+    if name == "groupnorm":
+        return group_norm(dim, **kwargs)
+    raise ValueError(f"unknown norm {name!r}; expected one of {', '.join(NORM_NAMES)}")

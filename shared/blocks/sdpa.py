@@ -1,0 +1,41 @@
+"""Scaled dot-product attention written out (seed Def. 12), with GQA by grouping query heads (Def. 17).
+
+    Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k) + M) V
+
+Query head i reads key/value head g(i) = i // (Hq / Hkv), so K and V are never copied per query head: the Hq query
+heads are viewed as (Hkv, G) and broadcast against the Hkv key/value heads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def scaled_dot_product_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) -> (B, Hq, Nq, Dv).
+
+    `mask` is a bool keep-mask or an additive float mask broadcastable to (B, Hq, Nq, Nk). Softmax runs in float32.
+    """
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    if hq % hkv:
+        raise ValueError(f"n_heads ({hq}) must be a multiple of n_kv_heads ({hkv})")
+    g = hq // hkv
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    qg = q.reshape(b, hkv, g, nq, d)  # (B, Hkv, G, Nq, D)
+    scores = torch.matmul(qg.float(), k.float().unsqueeze(2).transpose(-1, -2)) * scale  # (B, Hkv, G, Nq, Nk)
+    if mask is not None:
+        m = mask.expand(b, hq, nq, nk).reshape(b, hkv, g, nq, nk)
+        scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.float()
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v.float().unsqueeze(2))  # (B, Hkv, G, Nq, Dv)
+    return out.reshape(b, hq, nq, v.shape[-1]).to(v.dtype)

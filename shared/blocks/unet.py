@@ -1,0 +1,249 @@
+"""A generic conditional U-Net (seed, "The U-Net Architecture"; Exercise 10): the diffusion denoiser ε_θ(x_t, t, c).
+
+An encoder of residual blocks (Def. 9) halves the resolution level by level, a decoder doubles it back, and long skip
+connections concatenate every encoder activation onto the decoder input at the same resolution. The timestep enters
+every residual block through a sinusoidal embedding (Def. 14) and an MLP; text enters through cross-attention
+(the CrossAttn equation) in transformer blocks at chosen levels. ``context`` may be a `ContextCache`, which a sampler
+passes so that each cross-attention projects the text to keys and values once for all its steps.
+
+The module tree follows diffusers' UNet2DConditionModel (`conv_in`, `time_embedding`, `down_blocks.N.{resnets,
+attentions,downsamplers}`, `mid_block`, `up_blocks.N.{resnets,attentions,upsamplers}`, `conv_norm_out`, `conv_out`)
+so a loader can map its checkpoints. Differences a loader must bridge: `proj_in`/`proj_out` are linear (diffusers'
+`use_linear_projection=True` form) and the transformer feedforward is a GELU FFN (`ff.fc1`, `ff.fc2`) rather than
+diffusers' GEGLU (`ff.net.0.proj`, `ff.net.2`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.blocks.conv import Downsample, Upsample
+from shared.blocks.cross_attention import ContextCache, CrossAttention
+from shared.blocks.ffn import GeluFFN
+from shared.blocks.norms import group_norm
+from shared.blocks.positions import TimestepEmbedding, timestep_embedding
+from shared.blocks.residual import ResBlock
+
+Context = torch.Tensor | ContextCache | None  # (B, M, cross_attention_dim), its cache, or None without text
+
+
+@dataclass(frozen=True)
+class UNetConfig:
+    """Level i works at resolution H / 2^i with ``block_out_channels[i]`` channels."""
+
+    in_channels: int = 4
+    out_channels: int = 4
+    block_out_channels: tuple[int, ...] = (64, 128, 128)
+    layers_per_block: int = 1
+    # Levels (0 = full resolution) that get a transformer block (self-attention, then cross-attention when
+    # cross_attention_dim is set) after each residual block; the middle block always has one.
+    attention_levels: tuple[int, ...] = (1, 2)
+    cross_attention_dim: int | None = 64
+    head_dim: int = 32
+    norm_groups: int = 32
+    # Width of the timestep embedding MLP; None means 4 × block_out_channels[0] (the DDPM/SD choice).
+    time_embed_dim: int | None = None
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.block_out_channels:
+            raise ValueError("block_out_channels must name at least one level")
+        for c in self.block_out_channels:
+            if c % self.norm_groups:
+                raise ValueError(f"norm_groups ({self.norm_groups}) must divide every block_out_channels, got {c}")
+        for level in self.attention_levels:
+            if not 0 <= level < len(self.block_out_channels):
+                raise ValueError(f"attention_levels entries must index block_out_channels, got {level}")
+            if self.block_out_channels[level] % self.head_dim:
+                raise ValueError(f"head_dim ({self.head_dim}) must divide the channels of attention level {level}")
+        if self.block_out_channels[-1] % self.head_dim:
+            raise ValueError(f"head_dim ({self.head_dim}) must divide the middle block's channels")
+        if self.layers_per_block < 1:
+            raise ValueError(f"layers_per_block must be >= 1, got {self.layers_per_block}")
+        if self.in_channels < 1 or self.out_channels < 1:
+            raise ValueError("in_channels and out_channels must be >= 1")
+        if self.cross_attention_dim is not None and self.cross_attention_dim < 1:
+            raise ValueError(f"cross_attention_dim must be positive or None, got {self.cross_attention_dim}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def temb_dim(self) -> int:
+        return self.time_embed_dim or 4 * self.block_out_channels[0]
+
+    @property
+    def downsample_factor(self) -> int:
+        """H and W must be multiples of this."""
+        return 2 ** (len(self.block_out_channels) - 1)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + SelfAttn(LN x), then x + CrossAttn(LN x, context), then x + FFN(LN x) (diffusers'
+    BasicTransformerBlock names: norm1/attn1, norm2/attn2, norm3/ff)."""
+
+    def __init__(self, dim: int, n_heads: int, head_dim: int, context_dim: int | None) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn1 = CrossAttention(dim, None, n_heads, head_dim)
+        self.norm2 = nn.LayerNorm(dim) if context_dim else None
+        self.attn2 = CrossAttention(dim, context_dim, n_heads, head_dim) if context_dim else None
+        self.norm3 = nn.LayerNorm(dim)
+        self.ff = GeluFFN(dim, 4 * dim)
+
+    def forward(self, x: torch.Tensor, context: Context) -> torch.Tensor:
+        x = x + self.attn1(self.norm1(x))
+        if self.attn2 is not None:
+            if context is None:
+                raise ValueError("context is required: this U-Net was built with cross_attention_dim")
+            x = x + self.attn2(self.norm2(x), context)
+        return x + self.ff(self.norm3(x))
+
+
+class SpatialTransformer(nn.Module):
+    """Image tokens through one TransformerBlock: GroupNorm -> proj_in -> block -> proj_out, plus the input."""
+
+    def __init__(self, channels: int, head_dim: int, context_dim: int | None, groups: int) -> None:
+        super().__init__()
+        self.norm = group_norm(channels, groups, eps=1e-6)
+        self.proj_in = nn.Linear(channels, channels)
+        self.transformer_blocks = nn.ModuleList([TransformerBlock(channels, channels // head_dim, head_dim,
+                                                                  context_dim)])
+        self.proj_out = nn.Linear(channels, channels)
+
+    def forward(self, x: torch.Tensor, context: Context) -> torch.Tensor:
+        b, c, h, w = x.shape
+        tokens = self.norm(x).flatten(2).transpose(1, 2)  # (B, H*W, C)
+        tokens = self.proj_in(tokens)
+        for block in self.transformer_blocks:
+            tokens = block(tokens, context)
+        tokens = self.proj_out(tokens)
+        return x + tokens.transpose(1, 2).reshape(b, c, h, w)
+
+
+class DownBlock(nn.Module):
+    """``layers_per_block`` residual blocks (each optionally followed by a SpatialTransformer), then a stride-2
+    Downsample unless it is the last level. Returns the output and every intermediate for the skip stack."""
+
+    def __init__(self, in_ch: int, out_ch: int, config: UNetConfig, attention: bool, downsample: bool) -> None:
+        super().__init__()
+        n, g = config.layers_per_block, config.norm_groups
+        self.resnets = nn.ModuleList(
+            ResBlock(in_ch if i == 0 else out_ch, out_ch, config.temb_dim, g, config.dropout) for i in range(n)
+        )
+        self.attentions = nn.ModuleList(
+            SpatialTransformer(out_ch, config.head_dim, config.cross_attention_dim, g) for _ in range(n)
+        ) if attention else None
+        self.downsamplers = nn.ModuleList([Downsample(out_ch)]) if downsample else None
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor, context: Context
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        skips = []
+        for i, resnet in enumerate(self.resnets):
+            x = resnet(x, temb)
+            if self.attentions is not None:
+                x = self.attentions[i](x, context)
+            skips.append(x)
+        if self.downsamplers is not None:
+            x = self.downsamplers[0](x)  # (B, C, H/2, W/2)
+            skips.append(x)
+        return x, skips
+
+
+class MidBlock(nn.Module):
+    """ResBlock -> SpatialTransformer -> ResBlock at the lowest resolution."""
+
+    def __init__(self, channels: int, config: UNetConfig) -> None:
+        super().__init__()
+        g = config.norm_groups
+        self.resnets = nn.ModuleList(ResBlock(channels, channels, config.temb_dim, g, config.dropout) for _ in range(2))
+        self.attentions = nn.ModuleList([SpatialTransformer(channels, config.head_dim, config.cross_attention_dim, g)])
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor, context: Context) -> torch.Tensor:
+        x = self.resnets[0](x, temb)
+        x = self.attentions[0](x, context)
+        return self.resnets[1](x, temb)
+
+
+class UpBlock(nn.Module):
+    """``layers_per_block + 1`` residual blocks, each eating one skip by concatenation (the long skip
+    connections), optionally followed by a SpatialTransformer; then nearest-Upsample unless it is the top level."""
+
+    def __init__(self, in_ch: int, skip_chs: list[int], out_ch: int, config: UNetConfig, attention: bool,
+                 upsample: bool) -> None:
+        super().__init__()
+        g = config.norm_groups
+        self.resnets = nn.ModuleList(
+            ResBlock((in_ch if i == 0 else out_ch) + skip, out_ch, config.temb_dim, g, config.dropout)
+            for i, skip in enumerate(skip_chs)
+        )
+        self.attentions = nn.ModuleList(
+            SpatialTransformer(out_ch, config.head_dim, config.cross_attention_dim, g) for _ in skip_chs
+        ) if attention else None
+        self.upsamplers = nn.ModuleList([Upsample(out_ch)]) if upsample else None
+
+    def forward(self, x: torch.Tensor, skips: list[torch.Tensor], temb: torch.Tensor,
+                context: Context) -> torch.Tensor:
+        for i, resnet in enumerate(self.resnets):
+            x = resnet(torch.cat([x, skips.pop()], dim=1), temb)  # (B, C + C_skip, H, W)
+            if self.attentions is not None:
+                x = self.attentions[i](x, context)
+        if self.upsamplers is not None:
+            x = self.upsamplers[0](x)  # (B, C, 2H, 2W)
+        return x
+
+
+class UNet(nn.Module):
+    """ε_θ(x_t, t, context): (B, in_channels, H, W), (B,) timesteps, (B, M, cross_attention_dim) -> (B, out, H, W)."""
+
+    def __init__(self, config: UNetConfig) -> None:
+        super().__init__()
+        self.config = config
+        chs, n_levels = config.block_out_channels, len(config.block_out_channels)
+        self.conv_in = nn.Conv2d(config.in_channels, chs[0], 3, padding=1)
+        self.time_embedding = TimestepEmbedding(chs[0], config.temb_dim)
+
+        skip_stack = [chs[0]]  # channels of every tensor the encoder hands to the decoder, in push order
+        self.down_blocks = nn.ModuleList()
+        for level, out_ch in enumerate(chs):
+            in_ch = chs[max(level - 1, 0)]
+            last = level == n_levels - 1
+            self.down_blocks.append(DownBlock(in_ch, out_ch, config, level in config.attention_levels, not last))
+            skip_stack += [out_ch] * config.layers_per_block + ([] if last else [out_ch])
+
+        self.mid_block = MidBlock(chs[-1], config)
+
+        self.up_blocks = nn.ModuleList()
+        prev = chs[-1]
+        for level in reversed(range(n_levels)):
+            skips = [skip_stack.pop() for _ in range(config.layers_per_block + 1)]
+            attention = level in config.attention_levels
+            self.up_blocks.append(UpBlock(prev, skips, chs[level], config, attention, upsample=level > 0))
+            prev = chs[level]
+
+        self.conv_norm_out = group_norm(chs[0], config.norm_groups, eps=1e-5)
+        self.conv_out = nn.Conv2d(chs[0], config.out_channels, 3, padding=1)
+
+    def forward(self, sample: torch.Tensor, timesteps: torch.Tensor, context: Context = None
+                ) -> torch.Tensor:
+        b, _, h, w = sample.shape
+        f = self.config.downsample_factor
+        if h % f or w % f:
+            raise ValueError(f"H and W must be multiples of {f}, got {h}x{w}")
+        if timesteps.dim() == 0:
+            timesteps = timesteps.expand(b)
+        t_features = timestep_embedding(timesteps, self.config.block_out_channels[0]).to(sample.dtype)
+        temb = self.time_embedding(t_features)  # (B, temb_dim)
+
+        x = self.conv_in(sample)
+        skips = [x]
+        for block in self.down_blocks:
+            x, block_skips = block(x, temb, context)
+            skips += block_skips
+        x = self.mid_block(x, temb, context)
+        for block in self.up_blocks:
+            x = block(x, skips, temb, context)
+        return self.conv_out(F.silu(self.conv_norm_out(x)))

@@ -1,0 +1,120 @@
+"""The dispatch point: backends agree with each other, names resolve from the argument or $GENSERVE_BACKEND."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.blocks.backend import AutoBackend, ReferenceBackend, TorchBackend, get_backend
+from shared.blocks.rope import rope_cos_sin
+
+
+@pytest.fixture
+def ref() -> ReferenceBackend:
+    return get_backend("reference")
+
+
+@pytest.fixture
+def fused() -> TorchBackend:
+    return get_backend("torch")
+
+
+@pytest.mark.parametrize(("hq", "hkv", "nq", "nk"), [(4, 4, 8, 8), (8, 2, 8, 8), (8, 2, 3, 11), (4, 1, 1, 9)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attend_reference_equals_torch(ref, fused, hq, hkv, nq, nk, causal) -> None:
+    q, k, v = torch.randn(2, hq, nq, 16), torch.randn(2, hkv, nk, 16), torch.randn(2, hkv, nk, 16)
+    for scale in (None, 0.2):
+        a = ref.attend(q, k, v, causal=causal, sm_scale=scale)
+        b = fused.attend(q, k, v, causal=causal, sm_scale=scale)
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_paged_decode_equals_attention_over_the_gathered_sequence(ref, fused) -> None:
+    """Layout of docs/architecture.md: token t lives in block block_tables[b, t // bs], slot t % bs."""
+    n_blocks, bs, hkv, hq, d = 12, 4, 2, 8, 16
+    k_cache, v_cache = torch.randn(n_blocks, bs, hkv, d), torch.randn(n_blocks, bs, hkv, d)
+    context_lens = torch.tensor([5, 12, 1], dtype=torch.int32)
+    block_tables = torch.tensor([[7, 2, 99, 99], [0, 5, 9, -1], [11, 0, 0, 0]], dtype=torch.int32)  # 99/-1: unused
+    q = torch.randn(3, hq, d)
+    out_ref = ref.paged_decode(q, k_cache, v_cache, block_tables, context_lens)
+    out_torch = fused.paged_decode(q, k_cache, v_cache, block_tables, context_lens)
+    assert out_ref.shape == (3, hq, d)
+    assert torch.allclose(out_ref, out_torch, atol=1e-5)
+    for b in range(3):
+        n = int(context_lens[b])
+        ids = [int(block_tables[b, t // bs]) for t in range(n)]
+        slots = [t % bs for t in range(n)]
+        k = k_cache[ids, slots].transpose(0, 1)[None]  # (1, Hkv, n, D)
+        v = v_cache[ids, slots].transpose(0, 1)[None]
+        expected = ref.attend(q[b, None, :, None], k, v, causal=False)[0, :, 0]
+        assert torch.allclose(out_ref[b], expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_reference_equals_torch(ref, fused, dtype) -> None:
+    x, res, w = torch.randn(3, 5, 32, dtype=dtype), torch.randn(3, 5, 32, dtype=dtype), torch.randn(32, dtype=dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(ref.rms_norm(x, w, 1e-6), fused.rms_norm(x, w, 1e-6), atol=tol)
+    (y1, r1), (y2, r2) = ref.rms_norm(x, w, 1e-6, res), fused.rms_norm(x, w, 1e-6, res)
+    assert torch.equal(r1, x + res) and torch.equal(r2, x + res)
+    assert torch.allclose(y1, y2, atol=tol)
+    assert torch.allclose(y1, ref.rms_norm(x + res, w, 1e-6), atol=0)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_apply_rope_reference_equals_torch(ref, fused, interleaved) -> None:
+    cos, sin = rope_cos_sin(16, 32)
+    q, k = torch.randn(2, 4, 6, 16), torch.randn(2, 2, 6, 16)
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5], [10, 11, 12, 13, 14, 15]])
+    (q1, k1), (q2, k2) = (
+        ref.apply_rope(q, k, cos, sin, pos, interleaved=interleaved),
+        fused.apply_rope(q, k, cos, sin, pos, interleaved=interleaved),
+    )
+    assert torch.allclose(q1, q2) and torch.allclose(k1, k2)
+    assert torch.allclose(q1.norm(dim=-1), q.norm(dim=-1), atol=1e-5)  # rotations preserve norms
+
+
+def test_get_backend_reads_name_then_environment(monkeypatch) -> None:
+    monkeypatch.delenv("GENSERVE_BACKEND", raising=False)
+    assert isinstance(get_backend(), AutoBackend)
+    monkeypatch.setenv("GENSERVE_BACKEND", "reference")
+    assert isinstance(get_backend(), ReferenceBackend)
+    assert get_backend("torch").name == "torch"
+    assert get_backend("triton").name == "triton"
+    with pytest.raises(ValueError, match="unknown backend"):
+        get_backend("cuda")
+    monkeypatch.setenv("GENSERVE_BACKEND", "nope")
+    with pytest.raises(ValueError, match="GENSERVE_BACKEND"):
+        get_backend()
+
+
+def test_auto_uses_torch_for_cpu_tensors() -> None:
+    auto = AutoBackend()
+    q = torch.randn(1, 2, 3, 8)
+    assert auto._pick(q).name == "torch"
+    assert torch.allclose(auto.attend(q, q, q, causal=True), get_backend("torch").attend(q, q, q, causal=True))
+
+
+def test_triton_backend_agrees_with_reference() -> None:
+    """The dispatch wiring to kernels/: on CPU this runs the kernels under TRITON_INTERPRET=1 (tests/conftest.py)."""
+    pytest.importorskip("triton")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    tri, ref = get_backend("triton"), get_backend("reference")
+    q, k, v = (torch.randn(1, h, n, 64, device=dev) for h, n in ((4, 8), (2, 12), (2, 12)))
+    assert torch.allclose(tri.attend(q, k, v, causal=True), ref.attend(q, k, v, causal=True), atol=1e-4)
+    x, w, r = torch.randn(3, 64, device=dev), torch.randn(64, device=dev), torch.randn(3, 64, device=dev)
+    (y1, r1), (y2, r2) = tri.rms_norm(x, w, 1e-6, r), ref.rms_norm(x, w, 1e-6, r)
+    assert torch.allclose(y1, y2, atol=1e-4) and torch.allclose(r1, r2)
+    cos, sin = (t.to(dev) for t in rope_cos_sin(64, 32))
+    pos = torch.arange(3, 11, device=dev)
+    (q1, k1), (q2, k2) = (
+        tri.apply_rope(q.clone(), q[:, :2].clone(), cos, sin, pos),
+        ref.apply_rope(q, q[:, :2], cos, sin, pos),
+    )
+    assert torch.allclose(q1, q2, atol=1e-5) and torch.allclose(k1, k2, atol=1e-5)
+    k_cache, v_cache = torch.randn(6, 4, 2, 64, device=dev), torch.randn(6, 4, 2, 64, device=dev)
+    tables = torch.tensor([[3, 1, 0], [5, 0, 0]], dtype=torch.int32, device=dev)
+    lens = torch.tensor([7, 2], dtype=torch.int32, device=dev)
+    qd = torch.randn(2, 4, 64, device=dev)
+    expected = ref.paged_decode(qd, k_cache, v_cache, tables, lens)
+    assert torch.allclose(tri.paged_decode(qd, k_cache, v_cache, tables, lens), expected, atol=1e-4)
