@@ -1,0 +1,297 @@
+"""Flash attention forward: the seed's Algorithm 3 with the FlashAttention-2 work split (Remark 12).
+
+One program owns one query block Q_i of one (sequence, query head) and streams the key/value blocks (K_j, V_j) of
+that head's KV group past it, keeping the running row maxima m, row sums l and the unnormalised output in registers.
+HBM traffic is therefore Theta(N^2 d^2 / M) (Proposition 2): the N x N score matrix is never written.
+
+Choices that the algorithm leaves open:
+- GQA/MQA is native: query head h reads KV head h // (Hq // Hkv); K and V are never expanded.
+- Causal masking is bottom-right aligned (query i sees keys j <= i + Nk - Nq), so chunked prefill with Nq < Nk works.
+- The softmax runs in base 2: log2(e) is folded into the scale, so each score costs one FMA and one exp2.
+- The key loop runs in two phases: blocks wholly visible to every query row skip the score mask; only the blocks
+  that cross the causal diagonal or the end of the keys pay for it.
+- Ragged batches are either padded (B, H, N, D) tensors or packed (total, H, D) tensors with `cu_seqlens`.
+- Any head dims up to 256, and a value head dim that differs from the query/key one (MLA): tiles are padded to
+  powers of two (at least 16, the tensor-core minimum) and the padding columns are masked off.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._runtime import dot_precision, interpreting, upcast_for_interpreter
+
+LOG2E = 1.4426950408889634
+MAX_HEAD_DIM = 256
+# A running maximum that starts finite: a fully masked block then yields exp2(-inf - m) = 0, never NaN.
+_M_INIT = tl.constexpr(-1.0e30)
+
+# Hopper (sm_90) candidates: 128-row query tiles keep the wgmma units busy; 3 stages of K/V tiles fit 228 KB smem.
+HOPPER_CONFIGS = [
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=8, num_stages=2),
+]
+# A tile of BLOCK_M rows x (padded) head dim in fp32 spread over the program's threads; beyond 64 registers a thread
+# (the score tile needs as many again) ptxas spills on sm_90 (128 x 128 over 4 warps spilled 320 bytes).
+_MAX_TILE_REGS_PER_THREAD = 64
+_SM90_SHARED_BYTES = 232448
+# The interpreter runs one program at a time in numpy: fewer, larger tiles are faster there.
+INTERPRET_CONFIG = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64})
+
+
+@triton.jit
+def _attend_kv_blocks(
+    acc, l_i, m_i, q,
+    k_base, v_base, stride_kn, stride_vn,
+    offs_m, offs_d, offs_dv, lo, hi, seqlen_k, causal_offset, qk_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_SCORES: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < HEAD_DIM_V
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        col_ok = cols < seqlen_k
+        # -- load K_j^T (D, BLOCK_N) and V_j (BLOCK_N, Dv) from HBM (step 6) --
+        k_t = tl.load(k_base + cols[None, :] * stride_kn + offs_d[:, None], mask=col_ok[None, :] & d_ok[:, None],
+                      other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vn + offs_dv[None, :], mask=col_ok[:, None] & dv_ok[None, :],
+                    other=0.0)
+        if UPCAST:
+            k_t = k_t.to(tl.float32)
+            v = v.to(tl.float32)
+        # -- S_ij = Q_i K_j^T on chip (step 7); the scale is applied below, fused with the max subtraction --
+        qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+        if MASK_SCORES:
+            keep = col_ok[None, :]
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None] + causal_offset)
+            qk = tl.where(keep, qk, float("-inf"))
+        # -- m_new = max(m, rowmax(S_ij)) (step 8) --
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        # -- rescale the partial sums by exp(m_old - m_new), add exp(S_ij - m_new) V_j (step 9) and l (step 10) --
+        p = tl.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _flash_attention_fwd_kernel(
+    Q, K, V, O, cu_seqlens_q, cu_seqlens_k,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    n_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, seq_bucket,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # seq_bucket only keys the autotuner: configs are tuned per power-of-two length band, not per length.
+    tl.static_assert(BLOCK_D >= 16 and BLOCK_DV >= 16, "tensor-core dots need K >= 16: pad the head dims")
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        # The last query blocks see the most keys: launch them first so the short ones fill the tail wave.
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    pid_bh = tl.program_id(1)
+    b = pid_bh // n_q_heads
+    h = pid_bh % n_q_heads
+    kv_h = h // group_size
+
+    # -- where this sequence lives: its batch row, or its slice of the packed tokens --
+    b64 = b.to(tl.int64)
+    q_base = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh
+    k_base = K + b64 * stride_kb + kv_h.to(tl.int64) * stride_kh
+    v_base = V + b64 * stride_vb + kv_h.to(tl.int64) * stride_vh
+    o_base = O + b64 * stride_ob + h.to(tl.int64) * stride_oh
+    if VARLEN:
+        q_start = tl.load(cu_seqlens_q + b)
+        seqlen_q = tl.load(cu_seqlens_q + b + 1) - q_start
+        k_start = tl.load(cu_seqlens_k + b)
+        seqlen_k = tl.load(cu_seqlens_k + b + 1) - k_start
+        q_base += q_start.to(tl.int64) * stride_qm
+        k_base += k_start.to(tl.int64) * stride_kn
+        v_base += k_start.to(tl.int64) * stride_vn
+        o_base += q_start.to(tl.int64) * stride_om
+    start_m = pid_m * BLOCK_M
+    if start_m >= seqlen_q:
+        return
+
+    # -- load Q_i once (step 4); initialise O, m, l (step 2) --
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < seqlen_q
+    q_ptrs = q_base + offs_m[:, None] * stride_qm + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], _M_INIT, dtype=tl.float32)
+
+    # -- the key range: [0, n_full) needs no score mask, [n_full, hi) crosses the diagonal or the end --
+    causal_offset = seqlen_k - seqlen_q
+    n_full = (seqlen_k // BLOCK_N) * BLOCK_N
+    hi = seqlen_k
+    if CAUSAL:
+        hi = tl.minimum(seqlen_k, start_m + BLOCK_M + causal_offset)
+        first_row_sees = tl.maximum(start_m + causal_offset + 1, 0)
+        n_full = tl.minimum(n_full, (first_row_sees // BLOCK_N) * BLOCK_N)
+
+    # -- stream the key/value blocks (step 5) --
+    acc, l_i, m_i = _attend_kv_blocks(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+        offs_m, offs_d, offs_dv, 0, n_full, seqlen_k, causal_offset, qk_scale,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, UPCAST, DOT_PRECISION,
+    )
+    acc, l_i, m_i = _attend_kv_blocks(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+        offs_m, offs_d, offs_dv, n_full, hi, seqlen_k, causal_offset, qk_scale,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, UPCAST, DOT_PRECISION,
+    )
+
+    # -- O_i = acc / l, written back to HBM (step 11); a row that sees no key gets zeros --
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_i[:, None]
+    o_ptrs = o_base + offs_m[:, None] * stride_om + offs_dv[None, :]
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :])
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The tile width for a head dim: a power of two, at least 16 (the tensor-core K minimum)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def hopper_configs(block_d: int, block_dv: int) -> list[triton.Config]:
+    """The autotune candidates for padded head dims: those whose tiles neither spill nor overflow shared memory."""
+    widest = max(block_d, block_dv)
+
+    def fits(c: triton.Config) -> bool:
+        m, n = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+        shared = 2 * (m * block_d + c.num_stages * n * (block_d + block_dv))  # Q once, K/V per stage, 16-bit
+        return m * widest // (32 * c.num_warps) <= _MAX_TILE_REGS_PER_THREAD and shared <= _SM90_SHARED_BYTES
+
+    return [c for c in HOPPER_CONFIGS if fits(c)]
+
+
+@functools.cache
+def _tuned_kernel(block_d: int, block_dv: int) -> triton.runtime.Autotuner:
+    return triton.autotune(configs=hopper_configs(block_d, block_dv), key=["CAUSAL", "VARLEN", "seq_bucket"])(
+        _flash_attention_fwd_kernel
+    )
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: bool) -> None:
+    dims = 3 if varlen else 4
+    if q.dim() != dims or k.dim() != dims or v.dim() != dims:
+        layout = "(total, H, D) with cu_seqlens" if varlen else "(B, H, N, D)"
+        raise ValueError(f"q, k, v must be {layout}; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    n_q_heads, n_kv_heads = q.shape[1], k.shape[1]
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must agree but for the head dim; got {tuple(k.shape)} and {tuple(v.shape)}")
+    if n_q_heads % n_kv_heads != 0:
+        raise ValueError(f"query heads ({n_q_heads}) must be a multiple of key/value heads ({n_kv_heads})")
+    if q.shape[-1] != k.shape[-1] or not 0 < q.shape[-1] <= MAX_HEAD_DIM or not 0 < v.shape[-1] <= MAX_HEAD_DIM:
+        raise ValueError(f"q and k must share a head dim and every head dim must be 1..{MAX_HEAD_DIM}; got "
+                         f"{q.shape[-1]}, {k.shape[-1]}, {v.shape[-1]}")
+    if not varlen and q.shape[0] != k.shape[0]:
+        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one of fp16/bf16/fp32; got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def _seq_bucket(max_seqlen_q: int) -> int:
+    """Powers of two from 256 to 16k: a serving process tunes at most seven bands per (causal, layout) pair."""
+    return min(max(triton.next_power_of_2(max_seqlen_q), 256), 16384)
+
+
+def _unit_stride_last(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    sm_scale: float | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+) -> torch.Tensor:
+    """softmax(q k^T * sm_scale [+ causal mask]) v, computed by Algorithm 3 without materialising the scores.
+
+    Padded form: q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) -> o (B, Hq, Nq, Dv).
+    Packed (varlen) form: q (total_q, Hq, D), k/v (total_k, Hkv, D/Dv) with int32 `cu_seqlens_q`/`cu_seqlens_k` of
+    shape (B + 1,) holding each sequence's start offset -> o (total_q, Hq, Dv). `max_seqlen_q` sizes the grid; when
+    omitted it is read from `cu_seqlens_q` (one device-to-host copy).
+    Any strides work as long as the head dim is contiguous. The padded output is laid out (B, Nq, Hq, Dv) in memory,
+    so `o.transpose(1, 2).reshape(B, Nq, Hq * Dv)` is free. sm_scale defaults to 1 / sqrt(D).
+    """
+    varlen = cu_seqlens_q is not None
+    if varlen != (cu_seqlens_k is not None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
+    _check_inputs(q, k, v, varlen)
+    q, k, v = _unit_stride_last(q), _unit_stride_last(k), _unit_stride_last(v)
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+
+    if varlen:
+        n_q_heads, n_kv_heads = q.shape[1], k.shape[1]
+        batch = cu_seqlens_q.numel() - 1
+        if max_seqlen_q is None:
+            max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()) if batch > 0 else 0
+        o = q.new_empty((q.shape[0], n_q_heads, head_dim_v))
+        # (total, H, D): no batch stride; the token stride moves along the packed sequence.
+        q_strides = (0, q.stride(1), q.stride(0))
+        k_strides = (0, k.stride(1), k.stride(0))
+        v_strides = (0, v.stride(1), v.stride(0))
+        o_strides = (0, o.stride(1), o.stride(0))
+        cu_q, cu_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
+        seqlen_q, seqlen_k = max_seqlen_q, 0
+    else:
+        batch, n_q_heads, seqlen_q, _ = q.shape
+        n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
+        max_seqlen_q = seqlen_q
+        o = q.new_empty((batch, seqlen_q, n_q_heads, head_dim_v)).transpose(1, 2)
+        q_strides, k_strides, v_strides, o_strides = (tuple(t.stride()[:3]) for t in (q, k, v, o))
+        # Unused when not VARLEN; any int32 tensor keeps the signature fixed.
+        cu_q = cu_k = torch.zeros(1, dtype=torch.int32, device=q.device)
+    if batch == 0 or max_seqlen_q == 0:
+        return o
+
+    args = (
+        q, k, v, o, cu_q, cu_k, *q_strides, *k_strides, *v_strides, *o_strides,
+        n_q_heads, n_q_heads // n_kv_heads, seqlen_q, seqlen_k, sm_scale * LOG2E,
+        _seq_bucket(max_seqlen_q),
+    )
+    block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
+    meta = dict(
+        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=causal, VARLEN=varlen,
+        UPCAST=upcast_for_interpreter(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
+    )
+
+    def grid(config: dict) -> tuple[int, int]:
+        return (triton.cdiv(max_seqlen_q, config["BLOCK_M"]), batch * n_q_heads)
+
+    if interpreting():
+        tiles = INTERPRET_CONFIG.kwargs
+        _flash_attention_fwd_kernel[grid(tiles)](*args, **meta, **tiles)
+    else:
+        _tuned_kernel(block_d, block_dv)[grid](*args, **meta)
+    return o

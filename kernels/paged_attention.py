@@ -1,0 +1,277 @@
+"""Decode attention over a paged KV cache: one query token per sequence (seed Definition 16, the KV cache).
+
+The cache layout is the engine's (docs/architecture.md): `k_cache`/`v_cache` are (num_blocks, block_size, Hkv, D);
+token t of sequence b lives in block `block_tables[b, t // block_size]`, slot `t % block_size`.
+
+Decode reads every cached key and value once and does two dot products per element, so it is bound by HBM
+bandwidth, not by compute. Two choices follow:
+- GQA is native: one program serves all Hq / Hkv query heads of a KV head, so each K/V byte is read once, not once
+  per query head. The group's query rows form the M side of a tensor-core dot (padded to 16 rows).
+- Split-K (flash-decoding): when B * Hkv programs cannot fill the GPU (small batches, long contexts), each sequence's
+  context is cut into splits that run in parallel; each split keeps its own online-softmax state (m, l, unnormalised
+  output, as in Algorithm 3) and a second small kernel merges them by rescaling with exp(m_s - max_s m_s).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._runtime import dot_precision, interpreting, sm_count, upcast_for_interpreter
+
+LOG2E = 1.4426950408889634
+MAX_HEAD_DIM = 256
+_M_INIT = tl.constexpr(-1.0e30)
+# Splits cover a multiple of this many tokens, a multiple of every BLOCK_N below, so tiles never straddle splits.
+_SPLIT_GRANULE = 256
+# Below this many tokens per split the merge step costs more than the parallelism it buys.
+_MIN_TOKENS_PER_SPLIT = 512
+
+# Hopper (sm_90) candidates: a few 16 KB K/V tiles in flight per program hide HBM latency.
+HOPPER_CONFIGS = [
+    triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_N": 128}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_N": 128}, num_warps=8, num_stages=2),
+]
+INTERPRET_CONFIG = triton.Config({"BLOCK_N": 32})
+
+
+@triton.jit
+def _paged_decode_kernel(
+    Q, K_cache, V_cache, block_tables, context_lens, O, part_acc, part_m, part_l,
+    stride_qb, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    stride_ob, stride_oh,
+    stride_pab, stride_pah, stride_pas,
+    stride_pmb, stride_pmh,
+    group_size, qk_scale, tokens_per_split,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    tl.static_assert(BLOCK_D >= 16 and GROUP_PAD >= 16, "tensor-core dots need K >= 16 and M >= 16")
+    b = tl.program_id(0)
+    kv_h = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # -- this program's slice of the context; the last split runs to the end whatever bound sized the splits --
+    context_len = tl.load(context_lens + b)
+    start = split * tokens_per_split
+    end = tl.minimum(context_len, start + tokens_per_split)
+    end = tl.where(split == tl.num_programs(2) - 1, context_len, end)
+
+    # -- the query heads of this KV group, (GROUP_PAD, D); padding rows load as zeros and are never stored --
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    head_ok = offs_g < group_size
+    d_ok = offs_d < HEAD_DIM
+    heads = kv_h * group_size + offs_g
+    b64 = b.to(tl.int64)
+    q_ptrs = Q + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=head_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    m_i = tl.full([GROUP_PAD], _M_INIT, dtype=tl.float32)
+
+    table = block_tables + b64 * stride_bt
+    k_head = K_cache + kv_h.to(tl.int64) * stride_kh
+    v_head = V_cache + kv_h.to(tl.int64) * stride_vh
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(start, end, BLOCK_N):
+        # -- gather: token -> (physical block, slot) through the block table --
+        tokens = start_n + offs_n
+        tok_ok = tokens < end
+        blocks = tl.load(table + tokens // PAGE_SIZE, mask=tok_ok, other=0).to(tl.int64)
+        slots = tokens % PAGE_SIZE
+        k_t = tl.load(
+            k_head + blocks[None, :] * stride_kb + slots[None, :] * stride_ks + offs_d[:, None],
+            mask=tok_ok[None, :] & d_ok[:, None], other=0.0,
+        )
+        v = tl.load(
+            v_head + blocks[:, None] * stride_vb + slots[:, None] * stride_vs + offs_d[None, :],
+            mask=tok_ok[:, None] & d_ok[None, :], other=0.0,
+        )
+        if UPCAST:
+            k_t = k_t.to(tl.float32)
+            v = v.to(tl.float32)
+        # -- scores in log2 units, then the online-softmax update of Algorithm 3 (steps 7-10) --
+        qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+        qk = tl.where(tok_ok[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if SINGLE_SPLIT:
+        # -- the whole context was ours: normalise and write; an empty context gives zeros --
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
+        o = acc / l_i[:, None]
+        o_ptrs = O + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=head_ok[:, None] & d_ok[None, :])
+    else:
+        # -- leave (m, l, unnormalised output) for the merge kernel --
+        pa = part_acc + b64 * stride_pab + heads[:, None] * stride_pah + split * stride_pas + offs_d[None, :]
+        tl.store(pa, acc, mask=head_ok[:, None] & d_ok[None, :])
+        pm = b64 * stride_pmb + heads * stride_pmh + split
+        tl.store(part_m + pm, m_i, mask=head_ok)
+        tl.store(part_l + pm, l_i, mask=head_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_acc, part_m, part_l, O,
+    stride_pab, stride_pah, stride_pas,
+    stride_pmb, stride_pmh,
+    stride_ob, stride_oh,
+    num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    split_ok = offs_s < num_splits
+    d_ok = offs_d < HEAD_DIM
+    # -- O = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s with m = max_s m_s; empty splits have l_s = 0 --
+    m_s = tl.load(part_m + b * stride_pmb + h * stride_pmh + offs_s, mask=split_ok, other=_M_INIT)
+    l_s = tl.load(part_l + b * stride_pmb + h * stride_pmh + offs_s, mask=split_ok, other=0.0)
+    acc_s = tl.load(
+        part_acc + b * stride_pab + h * stride_pah + offs_s[:, None] * stride_pas + offs_d[None, :],
+        mask=split_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+    w = tl.exp2(m_s - tl.max(m_s, 0))
+    l = tl.sum(w * l_s, 0)
+    l = tl.where(l == 0.0, 1.0, l)
+    o = tl.sum(w[:, None] * acc_s, 0) / l
+    tl.store(O + b * stride_ob + h * stride_oh + offs_d, o.to(O.dtype.element_ty), mask=d_ok)
+
+
+@functools.cache
+def _tuned_kernel() -> triton.runtime.Autotuner:
+    return triton.autotune(configs=HOPPER_CONFIGS, key=["BLOCK_D", "PAGE_SIZE", "GROUP_PAD", "SINGLE_SPLIT"])(
+        _paged_decode_kernel
+    )
+
+
+def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  context_lens: torch.Tensor) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"expected q (B, Hq, D) and caches (num_blocks, block_size, Hkv, D); got {tuple(q.shape)}, "
+            f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    batch, n_q_heads, head_dim = q.shape
+    _, block_size, n_kv_heads, cache_head_dim = k_cache.shape
+    if head_dim != cache_head_dim or not 0 < head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim must match and be 1..{MAX_HEAD_DIM}; got {head_dim} and {cache_head_dim}")
+    if n_q_heads % n_kv_heads != 0:
+        raise ValueError(f"query heads ({n_q_heads}) must be a multiple of key/value heads ({n_kv_heads})")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two; got {block_size}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or context_lens.shape != (batch,):
+        raise ValueError(
+            f"block_tables must be (B, max_blocks) and context_lens (B,) with B={batch}; got "
+            f"{tuple(block_tables.shape)} and {tuple(context_lens.shape)}"
+        )
+    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
+        raise ValueError(f"block_tables and context_lens must be int32; got {block_tables.dtype}, {context_lens.dtype}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q and the caches must share a dtype; got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+
+
+def choose_num_splits(batch: int, n_kv_heads: int, max_context_len: int, device: torch.device) -> int:
+    """Enough programs for about two waves over the SMs, but never splits shorter than _MIN_TOKENS_PER_SPLIT."""
+    wanted = triton.cdiv(2 * sm_count(device), batch * n_kv_heads)
+    return max(1, min(wanted, max_context_len // _MIN_TOKENS_PER_SPLIT))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    sm_scale: float | None = None,
+    max_context_len: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """softmax(q K_b^T * sm_scale) V_b for each sequence b's cached keys/values -> o (B, Hq, D).
+
+    `max_context_len` is the expected longest context, used only to choose the split count (a wrong value costs
+    speed, not correctness); by default it is the block table's capacity (max_blocks * block_size), which needs no
+    device-to-host copy. `num_splits` overrides the choice (rounded so each split covers a multiple of 256 tokens).
+    Sequences with context length 0 produce zeros.
+    """
+    _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the caches' head dim must be contiguous")
+    batch, n_q_heads, head_dim = q.shape
+    block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group_size = n_q_heads // n_kv_heads
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    o = torch.empty_like(q)
+    if batch == 0:
+        return o
+
+    if max_context_len is None:
+        max_context_len = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, n_kv_heads, max_context_len, q.device)
+    tokens_per_split = triton.cdiv(triton.cdiv(max(max_context_len, 1), num_splits), _SPLIT_GRANULE) * _SPLIT_GRANULE
+    num_splits = triton.cdiv(max(max_context_len, 1), tokens_per_split)
+    single = num_splits == 1
+
+    if single:
+        # Never touched when SINGLE_SPLIT; a one-element buffer keeps the signature fixed.
+        part_acc = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device)
+        part_m = part_l = torch.empty((1, 1, 1), dtype=torch.float32, device=q.device)
+    else:
+        part_acc = torch.empty((batch, n_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((batch, n_q_heads, num_splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+
+    args = (
+        q, k_cache, v_cache, block_tables, context_lens, o, part_acc, part_m, part_l,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        o.stride(0), o.stride(1),
+        part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
+        part_m.stride(0), part_m.stride(1),
+        group_size, sm_scale * LOG2E, tokens_per_split,
+    )
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    meta = dict(
+        HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=block_size, GROUP_PAD=max(16, triton.next_power_of_2(group_size)),
+        SINGLE_SPLIT=single, UPCAST=upcast_for_interpreter(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
+    )
+    grid = (batch, n_kv_heads, num_splits)
+    if interpreting():
+        _paged_decode_kernel[grid](*args, **meta, **INTERPRET_CONFIG.kwargs)
+    else:
+        _tuned_kernel()[grid](*args, **meta)
+
+    if not single:
+        _merge_splits_kernel[(batch, n_q_heads)](
+            part_acc, part_m, part_l, o,
+            part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
+            part_m.stride(0), part_m.stride(1),
+            o.stride(0), o.stride(1),
+            num_splits,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=triton.next_power_of_2(num_splits),
+        )
+    return o

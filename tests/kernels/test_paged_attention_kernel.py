@@ -1,0 +1,94 @@
+"""kernels.paged_decode_attention against the reference backend's paged decode, over block tables with holes,
+shared prefix blocks and garbage past each sequence's end, with and without split-K."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import paged_decode_attention
+from shared.blocks.backend import get_backend
+
+TOLERANCES = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 4e-2}
+BLOCK_SIZE = 16
+NUM_BLOCKS = 48
+
+
+def _paged_batch(context_lens: list[int], hq: int, hkv: int, d: int, dtype: torch.dtype):
+    """A cache whose blocks are handed out in random order (holes between a sequence's blocks), where sequence 1
+    shares sequence 0's first two blocks (a common prompt prefix) and unused table entries hold -1."""
+    k_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, hkv, d, dtype=dtype)
+    v_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, hkv, d, dtype=dtype)
+    max_blocks = max(-(-n // BLOCK_SIZE) for n in context_lens) + 1
+    free = torch.randperm(NUM_BLOCKS).tolist()
+    tables = torch.full((len(context_lens), max_blocks), -1, dtype=torch.int32)
+    for b, n in enumerate(context_lens):
+        for i in range(-(-n // BLOCK_SIZE)):
+            tables[b, i] = tables[0, i] if b == 1 and i < 2 else free.pop()
+    q = torch.randn(len(context_lens), hq, d, dtype=dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(context_lens, dtype=torch.int32)
+
+
+def _reference(q, k_cache, v_cache, tables, lens) -> torch.Tensor:
+    return get_backend("reference").paged_decode(q.float(), k_cache.float(), v_cache.float(), tables, lens)
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_paged_decode_matches_reference(group, dtype) -> None:
+    hkv = 2 if group < 8 else 1
+    inputs = _paged_batch([100, 45, 1], hkv * group, hkv, 64, dtype)
+    out = paged_decode_attention(*inputs)
+    assert out.shape == inputs[0].shape and out.dtype == dtype
+    assert (out.float() - _reference(*inputs)).abs().max().item() <= TOLERANCES[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_paged_decode_split_k_matches_reference(dtype) -> None:
+    # 300 tokens in 256-token splits: two splits for the long sequence, one empty split for the short ones.
+    inputs = _paged_batch([300, 40, 17], 8, 2, 128, dtype)
+    out = paged_decode_attention(*inputs, num_splits=2)
+    assert (out.float() - _reference(*inputs)).abs().max().item() <= TOLERANCES[dtype]
+
+
+def test_paged_decode_split_k_agrees_with_single_pass() -> None:
+    inputs = _paged_batch([300, 200], 4, 2, 32, torch.float32)
+    one = paged_decode_attention(*inputs, num_splits=1)
+    split = paged_decode_attention(*inputs, num_splits=2)
+    torch.testing.assert_close(split, one, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_paged_decode_pads_odd_head_dims(num_splits) -> None:
+    inputs = _paged_batch([290, 7], 4, 2, 40, torch.float32)
+    out = paged_decode_attention(*inputs, num_splits=num_splits)
+    assert (out - _reference(*inputs)).abs().max().item() <= TOLERANCES[torch.float32]
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_paged_decode_is_exact_when_max_context_len_underestimates(num_splits) -> None:
+    # Splits sized for 300 tokens: the last one must still cover the rest of a 700-token context.
+    inputs = _paged_batch([700, 60], 4, 2, 32, torch.float32)
+    out = paged_decode_attention(*inputs, max_context_len=300, num_splits=num_splits)
+    assert (out - _reference(*inputs)).abs().max().item() <= TOLERANCES[torch.float32]
+
+
+def test_paged_decode_honours_sm_scale() -> None:
+    q, k_cache, v_cache, tables, lens = _paged_batch([70, 33], 4, 2, 64, torch.float32)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, sm_scale=0.2)
+    ref = get_backend("reference").paged_decode(q, k_cache, v_cache, tables, lens, sm_scale=0.2)
+    assert (out - ref).abs().max().item() <= TOLERANCES[torch.float32]
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_paged_decode_empty_context_gives_zeros(num_splits) -> None:
+    q, k_cache, v_cache, tables, lens = _paged_batch([300, 0], 4, 2, 64, torch.float32)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, num_splits=num_splits)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.isfinite(out).all()
+
+
+def test_paged_decode_rejects_int64_tables() -> None:
+    q, k_cache, v_cache, tables, lens = _paged_batch([20], 2, 2, 64, torch.float32)
+    with pytest.raises(ValueError, match="int32"):
+        paged_decode_attention(q, k_cache, v_cache, tables.long(), lens)
