@@ -1,0 +1,1 @@
+"""Text generation: a Llama-family model, its HF loader and tokenizer, and the serving engine."""

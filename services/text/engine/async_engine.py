@@ -1,0 +1,140 @@
+"""``AsyncLLMEngine``: the engine's step loop on a worker thread, so the serving event loop never blocks and
+every concurrent ``stream`` call shares one continuous batch."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import torch
+
+from services.text.engine.engine import EngineConfig, LLMEngine
+from services.text.engine.params import Delta, SamplingParams
+
+DEMO_DIR = Path(__file__).resolve().parent.parent / "weights"
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.error: BaseException | None = None
+
+    @classmethod
+    def from_dir(cls, path: str | Path | None = None, *, dtype: str = "float32", config: EngineConfig | None = None,
+                 device: str | None = None) -> AsyncLLMEngine:
+        """Load a checkpoint directory (``None`` -> the committed demo model) into a ready engine on ``device``
+        (default: CUDA when available, else CPU)."""
+        from services.text.loader import load_model
+        from services.text.tokenizer import TextTokenizer
+
+        root = Path(path) if path is not None else DEMO_DIR
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        model = load_model(root, dtype, device=device)
+        tokenizer = TextTokenizer.from_dir(root, model.config.eos_token_ids)
+        return cls(LLMEngine(model, tokenizer, config, model_name=root.resolve().name))
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.max_context
+
+    def info(self) -> dict:
+        cfg = self.engine.model.config
+        return {
+            "model_name": self.engine.model_name,
+            "architecture": cfg.architecture,
+            "n_params": self.engine.model.num_params(),
+            "vocab_size": cfg.vocab_size,
+            "max_context": self.max_context,
+            "dtype": cfg.dtype,
+            "kv_blocks_total": self.engine.cache.manager.num_blocks,
+            "kv_blocks_free": self.engine.kv_blocks_free,
+        }
+
+    # ---- the worker thread ----------------------------------------------------------------------------------
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name="genserve-text-engine", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self.engine.has_work():
+                    self._wake.wait()
+                if self._stopping:
+                    return
+            try:
+                self.engine.step()
+            except BaseException as exc:  # surface model errors to every waiting request instead of hanging
+                self.error = exc
+                self.engine.fail_all(f"engine error: {type(exc).__name__}")
+
+    def _notify(self) -> None:
+        self._ensure_thread()
+        with self._wake:
+            self._wake.notify()
+
+    def shutdown(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    async def stream(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+                     ) -> AsyncIterator[Delta]:
+        """Yield a ``Delta`` per produced token as soon as the engine produces it; the last carries the
+        finish_reason. Closing the iterator early (``aclose``, task cancellation) aborts the request. A model
+        failure raises RuntimeError (never a traceback in a delta)."""
+        request_id = request_id or uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Delta] = asyncio.Queue()
+
+        def on_delta(delta: Delta) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, delta)
+            except RuntimeError:  # the consumer's loop is gone; nobody is listening
+                pass
+
+        self.engine.add_request(request_id, prompt_ids, params, on_delta)
+        self._notify()
+        finished = False
+        try:
+            while not finished:
+                delta = await queue.get()
+                finished = delta.finish_reason is not None
+                if delta.finish_reason == "error":
+                    raise RuntimeError(f"text {delta.text}")
+                yield delta
+        finally:
+            if not finished:
+                self.engine.abort(request_id)
+
+    def abort(self, request_id: str) -> bool:
+        return self.engine.abort(request_id)
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+                 ) -> tuple[str, list[int], str]:
+        """Blocking generation through the shared batch: (text, token_ids, finish_reason)."""
+        done = threading.Event()
+        deltas: list[Delta] = []
+
+        def on_delta(delta: Delta) -> None:
+            deltas.append(delta)
+            if delta.finish_reason is not None:
+                done.set()
+
+        self.engine.add_request(request_id or uuid.uuid4().hex, prompt_ids, params, on_delta)
+        self._notify()
+        done.wait()
+        if deltas[-1].finish_reason == "error":
+            raise RuntimeError(f"text {deltas[-1].text}")
+        return "".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids], deltas[-1].finish_reason

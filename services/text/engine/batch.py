@@ -1,0 +1,47 @@
+"""Scheduled chunks -> the model's ``PagedBatch`` (flat token ids, positions, cache slots, block tables)."""
+
+from __future__ import annotations
+
+import torch
+
+from services.text.engine.kv_cache import PagedKVCache
+from services.text.engine.scheduler import ScheduledChunk
+from services.text.paged import PagedBatch, PrefillChunk
+
+
+def build_batch(chunks: list[ScheduledChunk], cache: PagedKVCache) -> tuple[PagedBatch, list[ScheduledChunk]]:
+    """The batch for ``chunks`` and the chunks reordered to match it (decode tokens first, then prefills)."""
+    decodes = [c for c in chunks if c.length == 1]
+    prefills = [c for c in chunks if c.length > 1]
+    ordered = decodes + prefills
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    logits_index: list[int] = []
+    tables = [cache.manager.tables[c.seq.request_id] for c in ordered]
+    for c, table in zip(ordered, tables, strict=True):
+        tokens = c.seq.tokens
+        if c.sample:
+            logits_index.append(len(ids) + c.length - 1)
+        ids.extend(tokens[c.start:c.start + c.length])
+        positions.extend(range(c.start, c.start + c.length))
+        slots.extend(cache.slots(table, c.start, c.start + c.length))
+    width = max((len(t) for t in tables[:len(decodes)]), default=1)
+    decode_tables = torch.zeros((len(decodes), width), dtype=torch.int32)
+    for row, table in enumerate(tables[:len(decodes)]):
+        decode_tables[row, :len(table)] = torch.tensor(table, dtype=torch.int32)
+    chunks_out = []
+    offset = len(decodes)
+    for c, table in zip(prefills, tables[len(decodes):], strict=True):
+        chunks_out.append(PrefillChunk(offset, c.length, c.start, torch.tensor(table, dtype=torch.long)))
+        offset += c.length
+    batch = PagedBatch(
+        input_ids=torch.tensor(ids, dtype=torch.long),
+        positions=torch.tensor(positions, dtype=torch.long),
+        slots=torch.tensor(slots, dtype=torch.long),
+        decode_tables=decode_tables,
+        decode_lens=torch.tensor([c.start + 1 for c in decodes], dtype=torch.int32),
+        prefills=tuple(chunks_out),
+        logits_index=torch.tensor(logits_index, dtype=torch.long),
+    )
+    return batch, ordered

@@ -1,0 +1,186 @@
+"""The synchronous engine core: requests in, one continuous-batching step at a time, ``Delta``s out.
+
+``step()`` schedules under a lock, runs the model without it (so ``abort`` from another thread frees blocks at
+once), then samples, detokenises and checks the finish conditions of every sequence that produced a token.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from services.text.engine.batch import build_batch
+from services.text.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from services.text.engine.kv_cache import PagedKVCache, blocks_for_budget
+from services.text.engine.params import Delta, EngineOverloaded, PromptTooLong, SamplingParams
+from services.text.engine.sampler import make_generator, sample_one
+from services.text.engine.scheduler import Scheduler, SchedulerConfig
+from services.text.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    kv_cache_bytes: int = 256 * 2**20  # memory budget for the paged cache
+    num_blocks: int = 0  # overrides kv_cache_bytes when > 0
+    max_batched_tokens: int = 512
+    max_running: int = 64
+    max_waiting: int = 1024
+    max_context: int = 0  # 0 -> the model's max_position
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "kv_cache_bytes", "max_batched_tokens", "max_running", "max_waiting"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_blocks < 0 or self.max_context < 0:
+            raise ValueError("num_blocks and max_context must be >= 0")
+
+
+class LLMEngine:
+    def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig | None = None,
+                 model_name: str = "model"):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = config or EngineConfig()
+        self.model_name = model_name
+        mc = model.config
+        dtype = next(model.parameters()).dtype
+        device = next(model.parameters()).device
+        num_blocks = self.config.num_blocks or blocks_for_budget(
+            self.config.kv_cache_bytes, self.config.block_size, mc.n_layers, mc.n_kv_heads, mc.head_dim, dtype)
+        self.cache = PagedKVCache(mc.n_layers, num_blocks, self.config.block_size, mc.n_kv_heads, mc.head_dim,
+                                  dtype=dtype, device=device)
+        self.scheduler = Scheduler(self.cache.manager, SchedulerConfig(
+            self.config.max_batched_tokens, self.config.max_running, self.config.max_waiting))
+        self.max_context = self.config.max_context or mc.max_position
+        self.eos_ids = frozenset(mc.eos_token_ids) | frozenset(getattr(tokenizer, "eos_token_ids", ()))
+        self._seqs: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+        self.lock = threading.Lock()
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    on_delta: Callable[[Delta], None]) -> None:
+        """Queue a request; raises PromptTooLong, EngineOverloaded, or ValueError (empty prompt, duplicate id)."""
+        if not prompt_ids:
+            raise ValueError("prompt must hold at least one token")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt_ids) + params.max_tokens > self.max_context:
+            raise PromptTooLong(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                                f"the context of {self.max_context} tokens")
+        if len(prompt_ids) + 1 > self.scheduler.capacity_tokens:
+            raise PromptTooLong(f"prompt ({len(prompt_ids)} tokens) exceeds the KV cache "
+                                f"({self.scheduler.capacity_tokens} tokens)")
+        seq = Sequence(
+            request_id=request_id, prompt_ids=list(prompt_ids), params=params,
+            generator=make_generator(params.seed),
+            detokenizer=IncrementalDetokenizer(self.tokenizer.decode, prompt_ids),
+            stopper=StopChecker(params.stop), on_delta=on_delta, arrival=next(self._arrivals))
+        with self.lock:
+            if request_id in self._seqs:
+                raise ValueError(f"request_id {request_id!r} is already running")
+            if len(self.scheduler.waiting) >= self.config.max_waiting:
+                raise EngineOverloaded(f"waiting queue is full ({self.config.max_waiting} requests)")
+            self._seqs[request_id] = seq
+            self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request and return its blocks to the free list now; False when it is unknown or finished."""
+        with self.lock:
+            seq = self._seqs.get(request_id)
+            if seq is None:
+                return False
+            self._finish(seq, "cancelled")
+        seq.on_delta(Delta(seq.stopper.take(final=True), (), "cancelled"))
+        return True
+
+    def fail_all(self, message: str) -> None:
+        """End every request after a model error; consumers receive a final delta with reason ``error``."""
+        with self.lock:
+            seqs = list(self._seqs.values())
+            for seq in seqs:
+                self._finish(seq, "error")
+        for seq in seqs:
+            seq.on_delta(Delta(message, (), "error"))
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def kv_blocks_free(self) -> int:
+        return self.cache.manager.num_free
+
+    # ---- stepping -------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> int:
+        """Run one continuous-batching step; returns the number of tokens computed."""
+        with self.lock:
+            chunks = self.scheduler.schedule()
+            overflowed = self.scheduler.overflowed
+            for seq in overflowed:
+                self._finish(seq, "context_length")
+            if chunks:
+                batch, chunks = build_batch(chunks, self.cache)
+        for seq in overflowed:
+            seq.on_delta(Delta(seq.stopper.take(final=True), (), "context_length"))
+        if not chunks:
+            return 0
+        # Sampling runs on the CPU with each request's own generator.
+        logits = self.model.forward_paged(batch, self.cache.k, self.cache.v).float().cpu()  # (S, V)
+        deltas: list[tuple[Sequence, Delta]] = []
+        with self.lock:
+            row = 0
+            for c in chunks:
+                if c.sample:
+                    row += 1
+                if c.seq.finished:  # aborted while the model ran
+                    continue
+                c.seq.num_computed = c.start + c.length
+                if c.sample:
+                    deltas.append((c.seq, self._advance(c.seq, logits[row - 1])))
+        for seq, delta in deltas:
+            seq.on_delta(delta)
+        return int(batch.input_ids.numel())
+
+    def _advance(self, seq: Sequence, logits: torch.Tensor) -> Delta:
+        """Sample ``seq``'s next token, detokenise it and check every finish condition."""
+        token, logprob = sample_one(logits, seq.params, seq.generator, seq.prompt_ids, seq.output_ids)
+        seq.output_ids.append(token)
+        reason = None
+        if token in self.eos_ids:
+            reason = "eos"
+        elif seq.stopper.add(seq.detokenizer.add(token)):
+            reason = "stop"
+        elif len(seq.output_ids) >= seq.params.max_tokens:
+            reason = "length"
+        elif seq.num_tokens >= self.max_context:
+            reason = "context_length"
+        if reason is not None:
+            self._finish(seq, reason)
+        return Delta(seq.stopper.take(final=reason is not None), (token,), reason,
+                     (logprob,) if logprob is not None else ())
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        self._seqs.pop(seq.request_id, None)
+
+    # ---- offline --------------------------------------------------------------------------------------------
+    def generate_batch(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+                       ) -> list[tuple[str, list[int], str]]:
+        """Run ``prompts`` together in this thread until all finish: [(text, token_ids, finish_reason)]."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        results: list[list[Delta]] = [[] for _ in prompts]
+        base = next(self._arrivals)
+        for i, (ids, p) in enumerate(zip(prompts, plist, strict=True)):
+            self.add_request(f"offline-{base}-{i}", ids, p, results[i].append)
+        while any(not r or r[-1].finish_reason is None for r in results):
+            self.step()
+        return [("".join(d.text for d in r), [t for d in r for t in d.token_ids], r[-1].finish_reason)
+                for r in results]

@@ -1,0 +1,94 @@
+"""What a request asks for (``SamplingParams``) and what the engine streams back (``Delta``), plus the two
+request-level errors the serving layer maps to status codes."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MAX_LOGPROBS = 20
+
+
+class PromptTooLong(ValueError):
+    """The prompt plus ``max_tokens`` cannot fit the model's context."""
+
+
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full; the caller should retry later."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding options. ``temperature=0`` means greedy; ``top_k=0`` and ``top_p=1`` disable those
+    filters; penalties follow the CTRL paper (repetition) and the OpenAI API (presence/frequency)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
+        _check(_finite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
+        _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "must be an integer >= 0")
+        _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
+        _check(_finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
+               "must be in [-2, 2]")
+        _check(_finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
+               "must be in [-2, 2]")
+        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), "seed",
+               "must be None or an integer in [0, 2**63)")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must hold non-empty strings")
+        _check(isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+               f"must be an integer in [0, {MAX_LOGPROBS}]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x)
+
+
+def _check(ok: bool, name: str, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} {rule}")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probability of a chosen token under the model, and the ``top`` most likely (token_id, logprob) pairs."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one engine step produced for one request: new text (held back while it could still become a stop
+    string or an incomplete UTF-8 character), the new token ids, and ``finish_reason`` on the last delta:
+    ``eos`` | ``length`` | ``stop`` | ``context_length`` | ``cancelled``."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()

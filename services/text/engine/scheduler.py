@@ -1,0 +1,142 @@
+"""Continuous batching (Yu et al. 2022, Orca) over the paged KV cache, with chunked prefill and preemption by
+recompute (Kwon et al. 2023, vLLM).
+
+Every step: (1) each running sequence that has all but its newest token cached gets one decode slot, preempting
+the latest arrivals when the free list runs short; (2) the remaining token budget goes to prefill chunks, first of
+running sequences mid-prefill, then of waiting requests in arrival order. A preempted sequence frees all its
+blocks and goes back to the front of the queue; its prompt and generated tokens are recomputed when it returns.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from services.text.engine.kv_cache import BlockManager
+from services.text.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Compute tokens ``start..start+length-1`` of ``seq``; ``sample`` when the chunk reaches its last token."""
+
+    seq: Sequence
+    start: int
+    length: int
+
+    @property
+    def sample(self) -> bool:
+        return self.start + self.length == self.seq.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batched_tokens: int = 512  # tokens computed per step (decode slots + prefill chunks)
+    max_running: int = 64
+    max_waiting: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("max_batched_tokens", "max_running", "max_waiting"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, config: SchedulerConfig):
+        self.blocks = blocks
+        self.config = config
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.overflowed: list[Sequence] = []
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.blocks.num_blocks * self.blocks.block_size
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop ``seq`` from the queues and return its blocks to the free list."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.request_id)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.request_id)
+        seq.num_computed = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _reserve_decode(self, seq: Sequence, scheduled: set[int]) -> bool:
+        """One more slot for ``seq``, preempting the newest unscheduled running sequences; when none is left,
+        ``seq`` itself is preempted (or, alone in the cache, finished with ``context_length``)."""
+        while not self.blocks.can_grow(seq.request_id, seq.num_tokens):
+            victims = [s for s in self.running if s is not seq and id(s) not in scheduled]
+            if victims:
+                self._preempt(max(victims, key=lambda s: s.arrival))
+            elif len(self.running) == 1:
+                self.running.remove(seq)
+                self.blocks.free(seq.request_id)
+                self.overflowed.append(seq)
+                return False
+            else:
+                self._preempt(seq)
+                return False
+        self.blocks.grow(seq.request_id, seq.num_tokens)
+        return True
+
+    def schedule(self) -> list[ScheduledChunk]:
+        """The chunks to compute this step; sequences that can never fit land in ``self.overflowed``."""
+        self.overflowed = []
+        budget = self.config.max_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        scheduled: set[int] = set()
+        for seq in sorted((s for s in self.running if not s.in_prefill), key=lambda s: s.arrival):
+            if seq not in self.running or budget == 0:
+                continue  # preempted earlier in this loop
+            if self._reserve_decode(seq, scheduled):
+                chunks.append(ScheduledChunk(seq, seq.num_computed, 1))
+                scheduled.add(id(seq))
+                budget -= 1
+        for seq in [s for s in self.running if s.in_prefill]:
+            budget -= self._prefill_chunk(seq, budget, chunks)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running:
+            seq = self.waiting[0]
+            used = self._prefill_chunk(seq, budget, chunks)
+            if used == 0:
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            budget -= used
+        if not chunks and self.running:
+            # Every running sequence is stuck mid-prefill with the cache full: free the newest and retry.
+            newest = max(self.running, key=lambda s: s.arrival)
+            if len(self.running) == 1:
+                self.remove(newest)
+                self.overflowed.append(newest)
+                return []
+            self._preempt(newest)
+            overflowed = self.overflowed
+            chunks = self.schedule()
+            self.overflowed = overflowed + self.overflowed
+        return chunks
+
+    def _prefill_chunk(self, seq: Sequence, budget: int, chunks: list[ScheduledChunk]) -> int:
+        """Schedule as much of ``seq``'s uncached prefix as the budget and free blocks allow; tokens used."""
+        bs = self.blocks.block_size
+        have = len(self.blocks.tables.get(seq.request_id, ())) * bs
+        room = have - seq.num_computed + self.blocks.num_free * bs
+        length = min(seq.num_tokens - seq.num_computed, budget, room)
+        if length <= 0:
+            return 0
+        self.blocks.grow(seq.request_id, seq.num_computed + length)
+        chunks.append(ScheduledChunk(seq, seq.num_computed, length))
+        return length

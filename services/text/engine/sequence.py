@@ -1,0 +1,43 @@
+"""One request inside the engine: its tokens, how many of them already have K/V in the cache, and its
+streaming state (detokenizer, stop checker, generator)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from services.text.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from services.text.engine.params import Delta, SamplingParams
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    detokenizer: IncrementalDetokenizer
+    stopper: StopChecker
+    on_delta: Callable[[Delta], None]
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    finish_reason: str | None = None
+    arrival: int = 0  # admission order: later arrivals are preempted first
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_tokens - self.num_computed > 1

@@ -1,0 +1,60 @@
+"""``genserve generate``: run the text engine in-process (no Ray) on one prompt.
+
+    genserve generate --model-dir DIR [--max-tokens N --temperature T --seed S --json] "PROMPT"
+
+Also runnable as ``python -m services.text.generate``. Without ``--model-dir`` the committed demo model is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from services.text.engine import AsyncLLMEngine, PromptTooLong, SamplingParams
+from services.text.engine.async_engine import DEMO_DIR
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="text to continue")
+    parser.add_argument("--model-dir", default=None, help=f"HF-layout checkpoint directory (default: {DEMO_DIR})")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "int8"), default="float32",
+                        help="int8: int8 weight-only linear layers (fastest CPU decoding)")
+    parser.add_argument("--json", action="store_true", help='print {"text", "token_ids", "finish_reason"}')
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    engine = AsyncLLMEngine.from_dir(args.model_dir, dtype=args.dtype).engine
+    prompt_ids = engine.tokenizer.encode(args.prompt)
+    try:
+        text, token_ids, reason = engine.generate_batch([prompt_ids], params)[0]
+    except PromptTooLong as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"text": text, "token_ids": token_ids, "finish_reason": reason}, ensure_ascii=False))
+    else:
+        print(args.prompt + text)
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="genserve generate", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,190 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, and our own models with the seed's options), built from
+``shared.blocks``: RMSNorm pre-norm (Def. 19), RoPE (Def. 15) with the checkpoint's theta and scaling, GQA
+(Def. 17), SwiGLU (Def. 20), optional q/k/v bias, sliding-window attention, gated attention (Def. 18) and the
+parallel block (Def. 21).
+
+Parameter names are Hugging Face's (``model.layers.{i}.self_attn.q_proj.weight`` ...), so HF checkpoints load
+1:1. Two forwards share the weights: ``forward`` over padded-free (B, T) batches for training and tests, and
+``forward_paged`` over the engine's flat multi-sequence batch against the paged KV cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from services.text.config import LlamaConfig
+from services.text.paged import PagedBatch, PrefillChunk
+from services.text.quantize import Int8Linear
+from shared.blocks.attention import MultiHeadAttention
+from shared.blocks.backend import Backend, get_backend
+from shared.blocks.ffn import SwiGLU
+from shared.blocks.masks import causal_mask
+from shared.blocks.norms import RMSNorm
+from shared.blocks.rope import RoPE, RopeScaling
+from shared.blocks.sdpa import scaled_dot_product_attention
+
+
+def window_mask(n_q: int, n_k: int, window: int, device: torch.device | None = None) -> torch.Tensor:
+    """(Nq, Nk) bool keep-mask: causal (bottom-right aligned) and at most ``window`` keys back, query included
+    (Mistral's sliding window: key j is visible from query i iff i - window < j <= i)."""
+    rows = torch.arange(n_q, device=device)[:, None] + (n_k - n_q)
+    cols = torch.arange(n_k, device=device)[None, :]
+    return causal_mask(n_q, n_k, device) & (cols > rows - window)
+
+
+class DecoderLayer(nn.Module):
+    """x' = x + Attn(Norm(x)); x'' = x' + FFN(Norm(x')) — or, with ``parallel_block``, the single-norm parallel
+    form x' = x + Attn(Norm(x)) + FFN(Norm(x)) (Def. 21)."""
+
+    def __init__(self, cfg: LlamaConfig, backend: Backend):
+        super().__init__()
+        self.cfg = cfg
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, backend)
+        self.self_attn = MultiHeadAttention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, bias=cfg.qkv_bias,
+                                            gated=cfg.gated_attention, backend=backend)
+        self.post_attention_layernorm = None if cfg.parallel_block else RMSNorm(cfg.dim, cfg.norm_eps, backend)
+        self.mlp = _ffn(cfg)
+
+    def forward(self, x: torch.Tensor, attend) -> torch.Tensor:
+        """``attend(self_attn, h) -> attention output`` supplies the attention for either forward path."""
+        h = self.input_layernorm(x)
+        if self.post_attention_layernorm is None:
+            return x + attend(self.self_attn, h) + self.mlp(h)
+        x = x + attend(self.self_attn, h)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _ffn(cfg: LlamaConfig) -> nn.Module:
+    if cfg.n_experts:
+        from shared.blocks.moe import MoE
+
+        return MoE(cfg.dim, n_experts=cfg.n_experts, top_k=cfg.n_experts_per_token, hidden_dim=cfg.ffn_hidden)
+    return SwiGLU(cfg.dim, cfg.ffn_hidden)
+
+
+class Backbone(nn.Module):
+    """Embedding, decoder layers and the final norm (HF's ``model.*`` prefix)."""
+
+    def __init__(self, cfg: LlamaConfig, backend: Backend):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, backend)
+
+
+def make_rope(cfg: LlamaConfig) -> RoPE:
+    """cos/sin tables for positions 0..max_position-1 with the checkpoint's theta and scaling (Remark 10)."""
+    return RoPE(cfg.head_dim, cfg.max_position, cfg.rope_theta,
+                RopeScaling.from_hf(dict(cfg.rope_scaling), cfg.max_position))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: LlamaConfig, backend: Backend | None = None):
+        super().__init__()
+        self.config = cfg
+        self.backend = backend or get_backend()
+        self.model = Backbone(cfg, self.backend)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope = make_rope(cfg)
+
+    def num_params(self) -> int:
+        """Parameters of the checkpoint: tied weights once; int8-quantised matrices (buffers) included."""
+        quantized = sum(m.weight.numel() for m in self.modules() if isinstance(m, Int8Linear))
+        tied_copy = self.config.tie_embeddings and isinstance(self.lm_head, Int8Linear)
+        return sum(p.numel() for p in self.parameters()) + quantized - (self.lm_head.weight.numel() if tied_copy else 0)
+
+    # ---- (B, T) batches: training, parity tests ---------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids (B, T) -> logits (B, T, V), every sequence starting at position 0."""
+        t = input_ids.shape[1]
+        positions = torch.arange(t, device=input_ids.device)
+        window = self.config.sliding_window
+        mask = window_mask(t, t, window, input_ids.device) if 0 < window < t else None
+
+        def attend(attn: MultiHeadAttention, h: torch.Tensor) -> torch.Tensor:
+            return attn(h, rope=self.rope.tables(), positions=positions, attn_mask=mask)
+
+        x = self.model.embed_tokens(input_ids)  # (B, T, dim)
+        for layer in self.model.layers:
+            x = layer(x, attend)
+        return self.lm_head(self.model.norm(x))
+
+    # ---- the engine's flat batch against the paged cache ------------------------------------------------------
+    def forward_paged(self, batch: PagedBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
+                      ) -> torch.Tensor:
+        """Compute every token of ``batch``, writing its K/V into the caches (one per layer, paged layout);
+        returns next-token logits (S, V) for the tokens in ``batch.logits_index``."""
+        batch = batch.to(self.model.embed_tokens.weight.device)
+        x = self.model.embed_tokens(batch.input_ids)  # (N, dim)
+        for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches, strict=True):
+            x = layer(x, lambda attn, h, kc=k_cache, vc=v_cache: self._paged_attention(attn, h, batch, kc, vc))
+        x = x[batch.logits_index]  # (S, dim): the LM head only where a token is sampled
+        return self.lm_head(self.model.norm(x))
+
+    def _paged_attention(self, attn: MultiHeadAttention, h: torch.Tensor, batch: PagedBatch,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        n = h.shape[0]
+        hq, hkv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        q = attn.q_proj(h).view(n, hq, d).transpose(0, 1)[None]  # (1, Hq, N, D)
+        k = attn.k_proj(h).view(n, hkv, d).transpose(0, 1)[None]  # (1, Hkv, N, D)
+        v = attn.v_proj(h).view(n, hkv, d).transpose(0, 1)[None]
+        cos, sin = self.rope.tables()
+        q, k = attn.backend.apply_rope(q, k, cos, sin, batch.positions, interleaved=attn.rope_interleaved)
+        k_cache.view(-1, hkv, d).index_copy_(0, batch.slots, k[0].transpose(0, 1))  # (N, Hkv, D) into slots
+        v_cache.view(-1, hkv, d).index_copy_(0, batch.slots, v[0].transpose(0, 1))
+        out = torch.empty_like(q)  # (1, Hq, N, D)
+        if batch.n_decode:
+            out[0, :, : batch.n_decode] = self._decode_attention(attn, q[0, :, : batch.n_decode].transpose(0, 1),
+                                                                 batch, k_cache, v_cache).transpose(0, 1)
+        for c in batch.prefills:
+            qc = q[:, :, c.offset : c.offset + c.length]  # (1, Hq, n, D)
+            out[:, :, c.offset : c.offset + c.length] = self._prefill_attention(attn, qc, k, v, c, k_cache, v_cache)
+        o = out[0].transpose(0, 1).reshape(n, hq * d)  # (N, Hq*D)
+        if attn.gate_proj is not None:
+            o = o * torch.sigmoid(attn.gate_proj(h))
+        return attn.o_proj(o)
+
+    def _decode_attention(self, attn: MultiHeadAttention, q: torch.Tensor, batch: PagedBatch,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """q (Bd, Hq, D) -> (Bd, Hq, D): one paged-decode call, except sequences already past the sliding window,
+        which attend to exactly their last ``window`` keys."""
+        window = self.config.sliding_window
+        lens = batch.decode_lens
+        if not window or int(lens.max()) <= window:
+            return attn.backend.paged_decode(q, k_cache, v_cache, batch.decode_tables, lens, sm_scale=attn.sm_scale)
+        out = torch.empty_like(q)
+        bs = k_cache.shape[1]
+        for b in range(q.shape[0]):
+            ctx = int(lens[b])
+            start = max(0, ctx - window)
+            table = batch.decode_tables[b].long()
+            kb, vb = _gather(k_cache, table, start, ctx, bs), _gather(v_cache, table, start, ctx, bs)
+            out[b] = attn.backend.attend(q[b, :, None][None], kb, vb, causal=False, sm_scale=attn.sm_scale)[0, :, 0]
+        return out
+
+    def _prefill_attention(self, attn: MultiHeadAttention, qc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           c: PrefillChunk, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """One prefill chunk's queries (1, Hq, n, D) against its keys 0..context_len-1 (bottom-right causal)."""
+        window = self.config.sliding_window
+        if c.start == 0:
+            kc, vc = k[:, :, c.offset : c.offset + c.length], v[:, :, c.offset : c.offset + c.length]
+            k_start = 0
+        else:
+            k_start = max(0, c.start - window + 1) if window else 0
+            bs = k_cache.shape[1]
+            kc = _gather(k_cache, c.table, k_start, c.context_len, bs)
+            vc = _gather(v_cache, c.table, k_start, c.context_len, bs)
+        if window and c.context_len - k_start > window:
+            mask = window_mask(c.length, c.context_len - k_start, window, qc.device)
+            return scaled_dot_product_attention(qc, kc, vc, mask, sm_scale=attn.sm_scale)
+        return attn.backend.attend(qc, kc, vc, causal=True, sm_scale=attn.sm_scale)
+
+
+def _gather(cache: torch.Tensor, table: torch.Tensor, start: int, end: int, block_size: int) -> torch.Tensor:
+    """Positions start..end-1 of one sequence out of a paged cache -> (1, Hkv, end-start, D)."""
+    pos = torch.arange(start, end, device=cache.device)
+    slots = table[pos // block_size] * block_size + pos % block_size
+    return cache.view(-1, cache.shape[2], cache.shape[3])[slots].transpose(0, 1)[None]

@@ -1,0 +1,50 @@
+"""What one engine step hands the model: a flat batch of tokens from many sequences (decode tokens first, then
+prefill chunks) and where each token's K/V lives in the paged cache (docs/architecture.md layout).
+
+The model reads this; the engine builds it (``services/text/engine/batch.py``). Nothing here knows about requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Tokens ``start..start+length-1`` of one sequence, at flat offset ``offset``; ``table``: its blocks (long)."""
+
+    offset: int
+    length: int
+    start: int
+    table: torch.Tensor
+
+    @property
+    def context_len(self) -> int:
+        return self.start + self.length
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    input_ids: torch.Tensor  # (N,) long
+    positions: torch.Tensor  # (N,) long
+    slots: torch.Tensor  # (N,) long: flat cache slot (block * block_size + offset) of every token
+    decode_tables: torch.Tensor  # (Bd, max_blocks) int32: one decode token per sequence, tokens 0..Bd-1
+    decode_lens: torch.Tensor  # (Bd,) int32: context length including the decode token
+    prefills: tuple[PrefillChunk, ...]
+    logits_index: torch.Tensor  # (S,) long: flat tokens whose next-token logits are wanted
+
+    @property
+    def n_decode(self) -> int:
+        return int(self.decode_lens.numel())
+
+    def to(self, device: torch.device) -> PagedBatch:
+        """The same batch with its index tensors on ``device`` (the model's)."""
+        if self.input_ids.device == device:
+            return self
+        return PagedBatch(
+            input_ids=self.input_ids.to(device), positions=self.positions.to(device), slots=self.slots.to(device),
+            decode_tables=self.decode_tables.to(device), decode_lens=self.decode_lens.to(device),
+            prefills=tuple(PrefillChunk(c.offset, c.length, c.start, c.table.to(device)) for c in self.prefills),
+            logits_index=self.logits_index.to(device))
