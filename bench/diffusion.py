@@ -1,0 +1,124 @@
+"""Time one 20-step DDIM image with classifier-free guidance on CPU: our U-Net pipeline vs diffusers.
+
+Both sides run 20 denoiser calls per image on a batch of 2 (conditional + unconditional) at the same latent size,
+guidance arithmetic and a DDIM step. Ours is the whole ``DiffusionPipeline.generate`` call, so it also tokenizes and
+encodes the prompts; the diffusers loop gets its text features precomputed (a small head start for diffusers).
+The diffusers side is a ``UNet2DConditionModel`` configured like ours (same channels, levels, attention placement,
+cross-attention width and heads) driven by diffusers' ``DDIMScheduler``; diffusers is a bench/test-only dependency.
+The two sides alternate image by image in one process, so load from other jobs on a shared machine falls on both.
+Prints a table with parameter counts, the median and the best milliseconds per image, and the speed ratios.
+
+    python bench/diffusion.py [--threads 1] [--repeats 5] [--weights services/diffusion/weights]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from services.diffusion.model import LatentDiffusion, default_config, load_diffusion
+from services.diffusion.pipeline import DiffusionPipeline
+
+PROMPT = "a large blue square at the bottom right"
+
+
+def diffusers_twin(model: LatentDiffusion) -> torch.nn.Module:
+    """A diffusers UNet2DConditionModel with our U-Net's architecture (random weights)."""
+    from diffusers import UNet2DConditionModel
+
+    c = model.config.unet
+    levels = range(len(c.block_out_channels))
+    return UNet2DConditionModel(
+        sample_size=model.config.latent_shape[1], in_channels=c.in_channels, out_channels=c.out_channels,
+        block_out_channels=c.block_out_channels, layers_per_block=c.layers_per_block,
+        down_block_types=tuple("CrossAttnDownBlock2D" if i in c.attention_levels else "DownBlock2D" for i in levels),
+        up_block_types=tuple("CrossAttnUpBlock2D" if i in c.attention_levels else "UpBlock2D"
+                             for i in reversed(levels)),
+        cross_attention_dim=c.cross_attention_dim, norm_num_groups=c.norm_groups, use_linear_projection=True,
+        # diffusers' "attention_head_dim" is the number of heads per level (a known naming trap).
+        attention_head_dim=tuple(ch // c.head_dim for ch in c.block_out_channels),
+    ).eval()
+
+
+def image_ours(pipe: DiffusionPipeline, steps: int, guidance: float) -> Callable[[int], torch.Tensor]:
+    return lambda seed: pipe.generate([PROMPT], steps=steps, guidance_scale=guidance, seed=seed)
+
+
+def image_diffusers(unet: torch.nn.Module, pipe: DiffusionPipeline, steps: int,
+                    guidance: float) -> Callable[[int], torch.Tensor]:
+    from diffusers import DDIMScheduler
+
+    s = pipe.config.schedule
+    scheduler = DDIMScheduler(num_train_timesteps=s.num_train_timesteps, beta_schedule=s.beta_schedule,
+                              prediction_type=s.prediction_type, timestep_spacing=s.timestep_spacing,
+                              clip_sample=False)
+    with torch.inference_mode():
+        context = pipe.encode_prompts([PROMPT, ""])
+
+    @torch.inference_mode()
+    def one_image(seed: int) -> torch.Tensor:
+        latents = torch.randn((1, *pipe.latent_shape), generator=torch.Generator().manual_seed(seed))
+        scheduler.set_timesteps(steps)
+        for t in scheduler.timesteps:
+            out = unet(torch.cat([latents, latents]), t, encoder_hidden_states=context).sample
+            cond, uncond = out.chunk(2)
+            latents = scheduler.step(uncond + guidance * (cond - uncond), t, latents).prev_sample
+        return latents
+
+    return one_image
+
+
+def time_interleaved(ours: Callable[[int], torch.Tensor], theirs: Callable[[int], torch.Tensor],
+                     repeats: int) -> tuple[list[float], list[float]]:
+    """Seconds per image for each side. The two alternate image by image, and which goes first alternates too, so
+    load from other jobs on a shared machine falls on both sides alike."""
+    ours(0), theirs(0)  # warm-up
+    times: dict[str, list[float]] = {"ours": [], "theirs": []}
+    for r in range(repeats):
+        order = [("ours", ours), ("theirs", theirs)]
+        for name, image in order if r % 2 == 0 else reversed(order):
+            start = time.perf_counter()
+            image(r)
+            times[name].append(time.perf_counter() - start)
+    return times["ours"], times["theirs"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--weights", type=Path, default=None, help="our checkpoint (default: random demo config)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--guidance-scale", type=float, default=3.0)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = load_diffusion(args.weights) if args.weights else LatentDiffusion(default_config()).eval()
+    pipe = DiffusionPipeline(model)
+    twin = diffusers_twin(model)
+
+    ours_times, theirs_times = time_interleaved(image_ours(pipe, args.steps, args.guidance_scale),
+                                                image_diffusers(twin, pipe, args.steps, args.guidance_scale),
+                                                args.repeats)
+    n_ours = sum(p.numel() for p in model.unet.parameters())
+    n_theirs = sum(p.numel() for p in twin.parameters())
+    shape = "x".join(str(d) for d in pipe.latent_shape)
+    print(f"{args.steps}-step DDIM + guidance (batch 2 per step), latent {shape}, {args.threads} thread(s), "
+          f"{args.repeats} interleaved images per side")
+    print("| U-Net | parameters | median ms / image | best ms / image | speed-up (median) | speed-up (best) |")
+    print("|---|---|---|---|---|---|")
+    rows = [("diffusers UNet2DConditionModel", n_theirs, theirs_times),
+            ("genserve shared.blocks.unet", n_ours, ours_times)]
+    for name, n, times in rows:
+        median, best = statistics.median(times), min(times)
+        print(f"| {name} | {n / 1e6:.2f}M | {median * 1e3:.1f} | {best * 1e3:.1f} | "
+              f"{statistics.median(theirs_times) / median:.2f}x | {min(theirs_times) / best:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""DDIM sampling (Song et al. 2021), deterministic at η = 0 and DDPM-like at η = 1."""
+
+from __future__ import annotations
+
+import torch
+
+from services.diffusion.schedulers.schedule import (
+    NoiseScheduleConfig,
+    alphas_cumprod,
+    predict_x0_eps,
+    spaced_timesteps,
+    step_alphas,
+)
+
+
+class DDIMScheduler:
+    """The generalised non-Markovian reverse process of DDIM Eq. 12 with σ_t(η) from Eq. 16."""
+
+    def __init__(self, config: NoiseScheduleConfig, eta: float = 0.0) -> None:
+        if eta < 0:
+            raise ValueError(f"eta must be >= 0, got {eta}")
+        self.config = config
+        self.eta = eta
+        self.alphas_cumprod = alphas_cumprod(config)
+        self.timesteps = spaced_timesteps(config, config.num_train_timesteps)
+
+    def set_timesteps(self, num_steps: int) -> torch.Tensor:
+        self.timesteps = spaced_timesteps(self.config, num_steps)
+        return self.timesteps
+
+    def step(self, model_output: torch.Tensor, index: int, sample: torch.Tensor,
+             generator: torch.Generator | None = None) -> torch.Tensor:
+        """x_t → x_{t'} where t = timesteps[index]; the final step lands on ᾱ = 1 (x_0 itself)."""
+        t, abar_t, abar_prev = step_alphas(self.alphas_cumprod, self.timesteps, index)
+
+        # 1. "predicted x_0" and the ε it implies (Eq. 12, first term; Eq. 9 inverted).
+        x0, eps = predict_x0_eps(self.config, model_output, sample, abar_t)
+        # 2. σ_t(η) = η √((1 − ᾱ_{t'}) / (1 − ᾱ_t)) √(1 − ᾱ_t / ᾱ_{t'}) (Eq. 16).
+        variance = (1 - abar_prev) / (1 - abar_t) * (1 - abar_t / abar_prev)
+        std = self.eta * variance.sqrt()
+        # 3. "direction pointing to x_t" (Eq. 12, second term).
+        direction = (1 - abar_prev - std**2).sqrt() * eps
+        # 4. x_{t'} = √ᾱ_{t'} x̂_0 + direction + σ_t z (Eq. 12).
+        prev = abar_prev.sqrt() * x0 + direction
+        if self.eta > 0:
+            noise = torch.randn(model_output.shape, generator=generator, dtype=model_output.dtype,
+                                device=model_output.device)
+            prev = prev + std * noise
+        return prev

@@ -1,0 +1,1 @@
+"""DCGAN generator/discriminator, sampling, training, weights."""

@@ -1,0 +1,1 @@
+"""Captioned-shapes dataset and the attribute reader, the image models' quality metric."""

@@ -1,0 +1,1 @@
+"""Variational autoencoder: model, training, weights."""
