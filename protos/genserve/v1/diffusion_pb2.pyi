@@ -1,0 +1,58 @@
+from genserve.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DiffusionRequest(_message.Message):
+    __slots__ = ("prompt", "negative_prompt", "num_images", "steps", "guidance_scale", "seed", "scheduler", "eta", "preview_every")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    NUM_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    ETA_FIELD_NUMBER: _ClassVar[int]
+    PREVIEW_EVERY_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    negative_prompt: str
+    num_images: int
+    steps: int
+    guidance_scale: float
+    seed: int
+    scheduler: str
+    eta: float
+    preview_every: int
+    def __init__(self, prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., num_images: _Optional[int] = ..., steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., scheduler: _Optional[str] = ..., eta: _Optional[float] = ..., preview_every: _Optional[int] = ...) -> None: ...
+
+class DiffusionProgress(_message.Message):
+    __slots__ = ("step", "total_steps", "elapsed_s")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    total_steps: int
+    elapsed_s: float
+    def __init__(self, step: _Optional[int] = ..., total_steps: _Optional[int] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
+
+class DiffusionPreview(_message.Message):
+    __slots__ = ("step", "images")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    images: _containers.RepeatedCompositeFieldContainer[_common_pb2.Image]
+    def __init__(self, step: _Optional[int] = ..., images: _Optional[_Iterable[_Union[_common_pb2.Image, _Mapping]]] = ...) -> None: ...
+
+class DiffusionEvent(_message.Message):
+    __slots__ = ("progress", "preview", "result")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    PREVIEW_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    progress: DiffusionProgress
+    preview: DiffusionPreview
+    result: _common_pb2.ImagesResponse
+    def __init__(self, progress: _Optional[_Union[DiffusionProgress, _Mapping]] = ..., preview: _Optional[_Union[DiffusionPreview, _Mapping]] = ..., result: _Optional[_Union[_common_pb2.ImagesResponse, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,238 @@
+"""`genserve`: call the served models, or run the offline tools (generate, train, serve).
+
+Serving calls go to --address (default 127.0.0.1:9000, or $GENSERVE_ADDRESS). Exit status 1 on a gRPC error
+(its code and details are printed on stderr), 2 when a local input file is missing or unreadable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+from .errors import GenserveError
+from .sync import DEFAULT_ADDRESS, Client
+
+OFFLINE_TRAIN = ("text", "vae", "gan", "diffusion")
+HEALTH = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
+SERVICES = {
+    "text": "genserve.v1.TextGeneration",
+    "gan": "genserve.v1.ImageGan",
+    "vae": "genserve.v1.Vae",
+    "diffusion": "genserve.v1.Diffusion",
+}
+
+
+def _write_images(images, output: Path, stem: str) -> list[Path]:
+    """One image to FILE.png when `output` ends in .png, otherwise DIR/<stem>-<i>.png."""
+    if output.suffix.lower() == ".png":
+        if len(images) == 1:
+            paths = [output]
+        else:
+            paths = [output.with_name(f"{output.stem}-{i}.png") for i in range(len(images))]
+    else:
+        paths = [output / f"{stem}-{i}.png" for i in range(len(images))]
+    for path, image in zip(paths, images, strict=True):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(image.png)
+        print(path)
+    return paths
+
+
+def cmd_text(client: Client, args: argparse.Namespace) -> int:
+    options = dict(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=args.stop or (),
+    )
+    if args.stream:
+        for chunk in client.generate_stream(args.prompt, **options):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            finish = chunk.finish_reason
+        print(f"\n[finish_reason: {finish}]" if args.verbose else "")
+        return 0
+    reply = client.generate(args.prompt, **options)
+    if args.json:
+        fields = {"text": reply.text, "token_ids": list(reply.token_ids), "finish_reason": reply.finish_reason}
+        print(json.dumps(fields))
+    else:
+        print(reply.text)
+        if args.verbose:
+            print(f"[finish_reason: {reply.finish_reason}, tokens: {len(reply.token_ids)}]")
+    return 0
+
+
+def cmd_tokenize(client: Client, args: argparse.Namespace) -> int:
+    reply = client.tokenize(args.text)
+    print(json.dumps({"token_ids": list(reply.token_ids), "tokens": list(reply.tokens)}))
+    return 0
+
+
+def cmd_info(client: Client, args: argparse.Namespace) -> int:
+    info = client.model_info()
+    for field in info.DESCRIPTOR.fields:
+        print(f"{field.name:16} {getattr(info, field.name)}")
+    return 0
+
+
+def cmd_gan(client: Client, args: argparse.Namespace) -> int:
+    if args.interpolate_to is not None:
+        seed = args.seed if args.seed is not None else 0
+        reply = client.gan_interpolate(seed, args.interpolate_to, steps=args.num_images, truncation=args.truncation)
+    else:
+        reply = client.gan_sample(args.num_images, seed=args.seed, truncation=args.truncation)
+    _write_images(reply.images, args.output, "gan")
+    print(f"seed: {reply.seed}", file=sys.stderr)
+    return 0
+
+
+def cmd_vae(client: Client, args: argparse.Namespace) -> int:
+    if args.op == "decode":
+        tensor = json.loads(args.inputs[0].read_text())
+        reply = client.vae_decode(tensor["shape"], tensor["values"])
+        _write_images(reply.images, args.output, "decoded")
+        return 0
+    pngs = [path.read_bytes() for path in args.inputs]
+    if args.op == "reconstruct":
+        _write_images(client.vae_reconstruct(pngs).images, args.output, "reconstructed")
+        return 0
+    reply = client.vae_encode(pngs, sample=args.sample, seed=args.seed)
+    latents = {"shape": list(reply.latents.shape), "values": list(reply.latents.values),
+               "scaling_factor": reply.scaling_factor}
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(latents))
+    print(args.output)
+    return 0
+
+
+def cmd_diffuse(client: Client, args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    events = client.diffuse_stream(
+        args.prompt, negative_prompt=args.negative, num_images=args.num_images, steps=args.steps,
+        guidance_scale=args.guidance, seed=args.seed, scheduler=args.scheduler, eta=args.eta,
+    )
+    with tqdm(total=args.steps, unit="step", desc="denoising", file=sys.stderr) as bar:
+        for event in events:
+            if event.HasField("progress"):
+                bar.total = event.progress.total_steps
+                bar.update(event.progress.step - bar.n)
+            elif event.HasField("result"):
+                result = event.result
+    _write_images(result.images, args.output, "diffusion")
+    print(f"seed: {result.seed}", file=sys.stderr)
+    return 0
+
+
+def cmd_status(client: Client, args: argparse.Namespace) -> int:
+    reply = client.status()
+    print(f"{'app':10} {'status':14} {'replicas':24} health")
+    for app in reply.apps:
+        replicas = ", ".join(f"{n} {state.lower()}" for state, n in sorted(app.replicas.items())) or "-"
+        health = HEALTH.get(client.health(SERVICES[app.name], application=app.name)) if app.name in SERVICES else ""
+        print(f"{app.name:10} {app.status:14} {replicas:24} {health}")
+    return 0
+
+
+def _client_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("text", help="complete a prompt (TextGeneration.Generate / GenerateStream)")
+    p.add_argument("prompt")
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--temperature", type=float, help="0 = greedy; default 1.0")
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    p.add_argument("--json", action="store_true", help="print {text, token_ids, finish_reason}")
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(func=cmd_text)
+
+    p = sub.add_parser("tokenize", help="token ids of a text (TextGeneration.Tokenize)")
+    p.add_argument("text")
+    p.set_defaults(func=cmd_tokenize)
+
+    p = sub.add_parser("info", help="the served text model (TextGeneration.GetModelInfo)")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("gan", help="sample images from the GAN (ImageGan.Sample / Interpolate)")
+    p.add_argument("-n", "--num-images", type=int, default=1)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--truncation", type=float)
+    p.add_argument("--interpolate-to", type=int, metavar="SEED", help="walk from --seed to SEED in -n images")
+    p.add_argument("-o", "--output", type=Path, default=Path("."), help="a directory, or FILE.png")
+    p.set_defaults(func=cmd_gan)
+
+    p = sub.add_parser("vae", help="encode images to latents (JSON), decode latents, or round-trip images")
+    p.add_argument("op", choices=("encode", "decode", "reconstruct"))
+    p.add_argument("inputs", nargs="+", type=Path, help="PNG files (encode, reconstruct) or one latents JSON")
+    p.add_argument("-o", "--output", type=Path, required=True, help="latents.json (encode), or a dir / FILE.png")
+    p.add_argument("--sample", action="store_true", help="encode: sample the posterior instead of its mean")
+    p.add_argument("--seed", type=int)
+    p.set_defaults(func=cmd_vae)
+
+    p = sub.add_parser("diffuse", help="text to image, with a progress bar (Diffusion.GenerateStream)")
+    p.add_argument("prompt")
+    p.add_argument("--negative", default="", help="negative prompt")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--guidance", type=float, default=3.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--scheduler", default="ddim", choices=("ddpm", "ddim", "dpmpp_2m"))
+    p.add_argument("--eta", type=float)
+    p.add_argument("-n", "--num-images", type=int, default=1)
+    p.add_argument("-o", "--output", type=Path, required=True, help="FILE.png (FILE-i.png for several)")
+    p.set_defaults(func=cmd_diffuse)
+
+    p = sub.add_parser("status", help="the applications, their replicas and health")
+    p.set_defaults(func=cmd_status)
+
+
+def _offline_parsers(sub: argparse._SubParsersAction) -> None:
+    """Parsers of the offline tools, filled by their own modules (imported only when one is used)."""
+    sub.add_parser("generate", help="run the text engine in-process, no server", add_help=False)
+    train = sub.add_parser("train", help="train a demo model", add_help=False)
+    train.add_argument("model", choices=OFFLINE_TRAIN)
+    sub.add_parser("serve", help="start the local stack (same as `make serve`)", add_help=False)
+
+
+def _run_offline(module_name: str, prog: str, argv: list[str]) -> int:
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=prog)
+    module.add_arguments(parser)
+    result = module.run(parser.parse_args(argv))
+    # Training commands return their final metrics; finishing at all is success.
+    return result if isinstance(result, int) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="genserve", description=__doc__.splitlines()[0])
+    parser.add_argument("--address", default=DEFAULT_ADDRESS, help="host:port of the gRPC proxy")
+    parser.add_argument("--timeout", type=float, default=None, help="per-call deadline in seconds")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _client_parsers(sub)
+    _offline_parsers(sub)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "generate":
+        return _run_offline("services.text.generate", "genserve generate", rest)
+    if args.command == "serve":
+        return _run_offline("services.serve", "genserve serve", rest)
+    if args.command == "train":
+        return _run_offline(f"services.{args.model}.train", f"genserve train {args.model}", rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        with Client(args.address, timeout=args.timeout) as client:
+            return args.func(client, args)
+    except GenserveError as error:
+        print(f"genserve: {error.code.name}: {error.details}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as error:  # a local file that is missing or not what the command reads
+        print(f"genserve: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

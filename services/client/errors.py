@@ -1,0 +1,59 @@
+"""gRPC errors as Python exceptions: every failed call raises a GenserveError subclass named after its status."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class GenserveError(Exception):
+    """A call failed; `code` is the gRPC status, `details` the server's message (it names the bad field)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class InvalidArgument(GenserveError):
+    """The request was refused; `details` names the field."""
+
+
+class ResourceExhausted(GenserveError):
+    """The service is over capacity; retry later."""
+
+
+class DeadlineExceeded(GenserveError):
+    """The call's deadline passed first."""
+
+
+class Cancelled(GenserveError):
+    """The call was cancelled."""
+
+
+class NotFound(GenserveError):
+    """Unknown application or service name."""
+
+
+class Unavailable(GenserveError):
+    """Nothing answers at the address (is `make serve` running?)."""
+
+
+class Internal(GenserveError):
+    """The server failed; `details` carries a request id to find it in the server's logs."""
+
+
+_BY_CODE: dict[grpc.StatusCode, type[GenserveError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.CANCELLED: Cancelled,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.INTERNAL: Internal,
+}
+
+
+def from_rpc_error(error: grpc.RpcError) -> GenserveError:
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    details = (error.details() if hasattr(error, "details") else None) or str(error)
+    return _BY_CODE.get(code, GenserveError)(code, details)

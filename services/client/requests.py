@@ -1,0 +1,98 @@
+"""Request builders shared by the sync and async clients: only the options a caller gives are set, so unset
+proto3 `optional` fields keep the server's documented defaults."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from genserve.v1 import common_pb2, diffusion_pb2, gan_pb2, text_pb2, vae_pb2
+
+
+def _set(message, **fields) -> None:
+    for name, value in fields.items():
+        if value is not None:
+            setattr(message, name, value)
+
+
+def text_request(
+    prompt: str = "",
+    *,
+    messages: Sequence[dict[str, str]] = (),
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: Iterable[str] = (),
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    logprobs: int | None = None,
+) -> text_pb2.TextRequest:
+    request = text_pb2.TextRequest(
+        prompt=prompt, messages=[text_pb2.ChatMessage(**m) for m in messages], stop=list(stop)
+    )
+    _set(
+        request, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, min_p=min_p,
+        repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, logprobs=logprobs,
+    )
+    return request
+
+
+def tokenize_request(text: str = "", *, messages: Sequence[dict[str, str]] = ()) -> text_pb2.TokenizeRequest:
+    return text_pb2.TokenizeRequest(text=text, messages=[text_pb2.ChatMessage(**m) for m in messages])
+
+
+def gan_sample_request(
+    num_images: int | None = None, *, seed: int | None = None, truncation: float | None = None
+) -> gan_pb2.GanSampleRequest:
+    request = gan_pb2.GanSampleRequest()
+    _set(request, num_images=num_images, seed=seed, truncation=truncation)
+    return request
+
+
+def gan_interpolate_request(
+    seed_start: int, seed_end: int, *, steps: int | None = None, truncation: float | None = None
+) -> gan_pb2.GanInterpolateRequest:
+    request = gan_pb2.GanInterpolateRequest(seed_start=seed_start, seed_end=seed_end)
+    _set(request, steps=steps, truncation=truncation)
+    return request
+
+
+def png_images(pngs: Iterable[bytes]) -> list[common_pb2.Image]:
+    return [common_pb2.Image(png=png) for png in pngs]
+
+
+def encode_request(pngs: Iterable[bytes], *, sample: bool = False, seed: int | None = None) -> vae_pb2.EncodeRequest:
+    request = vae_pb2.EncodeRequest(images=png_images(pngs), sample=sample)
+    _set(request, seed=seed)
+    return request
+
+
+def decode_request(shape: Sequence[int], values: Iterable[float]) -> vae_pb2.DecodeRequest:
+    return vae_pb2.DecodeRequest(latents=common_pb2.Tensor(shape=list(shape), values=list(values)))
+
+
+def reconstruct_request(pngs: Iterable[bytes]) -> vae_pb2.ReconstructRequest:
+    return vae_pb2.ReconstructRequest(images=png_images(pngs))
+
+
+def diffusion_request(
+    prompt: str,
+    *,
+    negative_prompt: str = "",
+    num_images: int | None = None,
+    steps: int | None = None,
+    guidance_scale: float | None = None,
+    seed: int | None = None,
+    scheduler: str = "",
+    eta: float | None = None,
+    preview_every: int = 0,
+) -> diffusion_pb2.DiffusionRequest:
+    request = diffusion_pb2.DiffusionRequest(
+        prompt=prompt, negative_prompt=negative_prompt, scheduler=scheduler, preview_every=preview_every
+    )
+    _set(request, num_images=num_images, steps=steps, guidance_scale=guidance_scale, seed=seed, eta=eta)
+    return request

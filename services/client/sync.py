@@ -1,0 +1,119 @@
+"""The blocking client: one channel to the Serve gRPC proxy, the `application` metadata set per call."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import grpc
+from genserve.v1 import (
+    common_pb2,
+    common_pb2_grpc,
+    diffusion_pb2,
+    diffusion_pb2_grpc,
+    gan_pb2_grpc,
+    text_pb2,
+    text_pb2_grpc,
+    vae_pb2,
+    vae_pb2_grpc,
+)
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from . import requests
+from .errors import from_rpc_error
+
+DEFAULT_ADDRESS = os.environ.get("GENSERVE_ADDRESS", "127.0.0.1:9000")
+# Images and latents of a full batch stay well under this.
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
+def metadata(application: str) -> tuple[tuple[str, str], ...]:
+    return (("application", application),)
+
+
+class Client:
+    """genserve over gRPC. Every method raises a services.client.errors.GenserveError subclass on failure."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None):
+        self.address = address
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._text = text_pb2_grpc.TextGenerationStub(self._channel)
+        self._gan = gan_pb2_grpc.ImageGanStub(self._channel)
+        self._vae = vae_pb2_grpc.VaeStub(self._channel)
+        self._diffusion = diffusion_pb2_grpc.DiffusionStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._status = common_pb2_grpc.ServeStatusStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _unary(self, method: Any, application: str, request: Any) -> Any:
+        try:
+            return method(request, metadata=metadata(application), timeout=self.timeout)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+
+    def _stream(self, method: Any, application: str, request: Any) -> Iterator[Any]:
+        call = method(request, metadata=metadata(application), timeout=self.timeout)
+        try:
+            yield from call
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        finally:
+            call.cancel()  # a consumer that stops early frees the server's work (no-op after the end)
+
+    # text
+    def generate(self, prompt: str = "", **options: Any) -> text_pb2.TextResponse:
+        return self._unary(self._text.Generate, "text", requests.text_request(prompt, **options))
+
+    def generate_stream(self, prompt: str = "", **options: Any) -> Iterator[text_pb2.TextChunk]:
+        return self._stream(self._text.GenerateStream, "text", requests.text_request(prompt, **options))
+
+    def tokenize(self, text: str = "", *, messages: Sequence[dict[str, str]] = ()) -> text_pb2.TokenizeResponse:
+        return self._unary(self._text.Tokenize, "text", requests.tokenize_request(text, messages=messages))
+
+    def model_info(self) -> text_pb2.ModelInfo:
+        return self._unary(self._text.GetModelInfo, "text", text_pb2.ModelInfoRequest())
+
+    # gan
+    def gan_sample(self, num_images: int | None = None, **options: Any) -> common_pb2.ImagesResponse:
+        return self._unary(self._gan.Sample, "gan", requests.gan_sample_request(num_images, **options))
+
+    def gan_interpolate(self, seed_start: int, seed_end: int, **options: Any) -> common_pb2.ImagesResponse:
+        request = requests.gan_interpolate_request(seed_start, seed_end, **options)
+        return self._unary(self._gan.Interpolate, "gan", request)
+
+    # vae
+    def vae_encode(self, pngs: Iterable[bytes], **options: Any) -> vae_pb2.EncodeResponse:
+        return self._unary(self._vae.Encode, "vae", requests.encode_request(pngs, **options))
+
+    def vae_decode(self, shape: Sequence[int], values: Iterable[float]) -> common_pb2.ImagesResponse:
+        return self._unary(self._vae.Decode, "vae", requests.decode_request(shape, values))
+
+    def vae_reconstruct(self, pngs: Iterable[bytes]) -> common_pb2.ImagesResponse:
+        return self._unary(self._vae.Reconstruct, "vae", requests.reconstruct_request(pngs))
+
+    # diffusion
+    def diffuse(self, prompt: str, **options: Any) -> common_pb2.ImagesResponse:
+        return self._unary(self._diffusion.Generate, "diffusion", requests.diffusion_request(prompt, **options))
+
+    def diffuse_stream(self, prompt: str, **options: Any) -> Iterator[diffusion_pb2.DiffusionEvent]:
+        request = requests.diffusion_request(prompt, **options)
+        return self._stream(self._diffusion.GenerateStream, "diffusion", request)
+
+    # operations
+    def health(self, service: str = "", *, application: str = "health") -> int:
+        """grpc.health.v1 status (SERVING = 1, NOT_SERVING = 2) of `service` as `application` answers it."""
+        request = health_pb2.HealthCheckRequest(service=service)
+        return self._unary(self._health.Check, application, request).status
+
+    def status(self) -> common_pb2.StatusResponse:
+        return self._unary(self._status.GetStatus, "health", common_pb2.StatusRequest())

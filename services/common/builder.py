@@ -1,0 +1,39 @@
+"""The app builder: what a serve config's `import_path: services.<svc>.app:build` and `args:` turn into.
+
+Every app takes the same arguments: `model_dir` (a checkpoint directory; when empty, the env var
+GENSERVE_<SVC>_MODEL, and when that is unset too, the model's committed demo weights).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+from ray import serve
+from ray.serve.deployment import Application, Deployment
+
+
+class AppArgs(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_dir: str | None = None
+
+
+def model_dir_env(service: str) -> str:
+    return f"GENSERVE_{service.upper()}_MODEL"
+
+
+def resolve_model_dir(service: str, configured: str | None) -> str | None:
+    """The checkpoint directory to load: the configured one, else the env var, else None (demo weights)."""
+    return configured or os.environ.get(model_dir_env(service)) or None
+
+
+def build_app(service: str, deployment: Deployment, args: dict[str, Any] | None) -> Application:
+    parsed = AppArgs.model_validate(args or {})
+    return deployment.bind(resolve_model_dir(service, parsed.model_dir))
+
+
+def handle_to(app_name: str) -> Any:
+    """A deployment handle to another application's ingress (serve.get_app_handle), for composition."""
+    return serve.get_app_handle(app_name)

@@ -1,0 +1,177 @@
+"""The one module that writes both serve configs: `python -m services.common.deploy_config`.
+
+- deploy/serve_config.local.yaml: CPU only, fractional `num_cpus`; all four apps at their maximum replica count,
+  plus the health gateway, reserve at most 2 CPUs, so they fit a 2-core machine.
+- deploy/serve_config.yaml: GPU nodes, each model replica holds a fraction of a GPU (`num_gpus`).
+
+Each app gets its own autoscaling_config and max_ongoing_requests / max_queued_requests: past
+max_ongoing_requests per replica, requests wait in the proxy's queue; past max_queued_requests the proxy answers
+RESOURCE_EXHAUSTED at once instead of letting clients time out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCAL_PATH = ROOT / "deploy" / "serve_config.local.yaml"
+GPU_PATH = ROOT / "deploy" / "serve_config.yaml"
+
+GRPC_PORT = 9000
+HEALTH_PORT = 9001
+HTTP_PORT = 8000
+SERVICER_FUNCTIONS = [
+    "genserve.v1.text_pb2_grpc.add_TextGenerationServicer_to_server",
+    "genserve.v1.gan_pb2_grpc.add_ImageGanServicer_to_server",
+    "genserve.v1.vae_pb2_grpc.add_VaeServicer_to_server",
+    "genserve.v1.diffusion_pb2_grpc.add_DiffusionServicer_to_server",
+    "genserve.v1.common_pb2_grpc.add_ServeStatusServicer_to_server",
+    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+]
+# Ray's built-in resource of the head node: the health gateway must run where probes look (the head's pod).
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+
+
+@dataclass(frozen=True)
+class AppSpec:
+    """How one application is deployed; `num_cpus`/`num_gpus` are per replica."""
+
+    name: str
+    deployment: str
+    num_cpus: float
+    num_gpus: float
+    min_replicas: int
+    max_replicas: int
+    target_ongoing_requests: float
+    max_ongoing_requests: int
+    max_queued_requests: int
+
+    def __post_init__(self) -> None:
+        if not 0 < self.min_replicas <= self.max_replicas:
+            raise ValueError(f"{self.name}: need 0 < min_replicas <= max_replicas")
+        if self.target_ongoing_requests > self.max_ongoing_requests:
+            raise ValueError(f"{self.name}: target_ongoing_requests must be <= max_ongoing_requests")
+
+
+# Per-request cost sets the numbers: a text replica batches many streams (continuous batching), a diffusion
+# request holds a replica for many U-Net steps, GAN/VAE calls are a single cheap forward pass.
+LOCAL_APPS = (
+    AppSpec("text", "TextGeneration", 0.4, 0, 1, 2, 4, 16, 32),
+    AppSpec("gan", "ImageGan", 0.1, 0, 1, 2, 2, 8, 32),
+    AppSpec("vae", "Vae", 0.1, 0, 1, 2, 2, 8, 32),
+    AppSpec("diffusion", "Diffusion", 0.3, 0, 1, 2, 1, 2, 8),
+)
+GPU_APPS = (
+    AppSpec("text", "TextGeneration", 1, 0.4, 1, 4, 8, 32, 128),
+    AppSpec("gan", "ImageGan", 1, 0.1, 1, 4, 4, 16, 128),
+    AppSpec("vae", "Vae", 1, 0.1, 1, 4, 4, 16, 128),
+    AppSpec("diffusion", "Diffusion", 1, 0.3, 1, 4, 2, 4, 32),
+)
+HEALTH_NUM_CPUS = 0.01
+
+
+def _autoscaling(spec: AppSpec) -> dict[str, Any]:
+    return {
+        "min_replicas": spec.min_replicas,
+        "max_replicas": spec.max_replicas,
+        "target_ongoing_requests": spec.target_ongoing_requests,
+        "upscale_delay_s": 2.0,
+        "downscale_delay_s": 10.0,
+        "metrics_interval_s": 1.0,
+        "look_back_period_s": 2.0,
+    }
+
+
+def _app(spec: AppSpec, model_dir: str | None) -> dict[str, Any]:
+    actor_options: dict[str, Any] = {"num_cpus": spec.num_cpus}
+    if spec.num_gpus:
+        actor_options["num_gpus"] = spec.num_gpus
+    return {
+        "name": spec.name,
+        "route_prefix": f"/{spec.name}",
+        "import_path": f"services.{spec.name}.app:build",
+        "args": {"model_dir": model_dir},
+        "deployments": [
+            {
+                "name": spec.deployment,
+                "max_ongoing_requests": spec.max_ongoing_requests,
+                "max_queued_requests": spec.max_queued_requests,
+                "autoscaling_config": _autoscaling(spec),
+                "ray_actor_options": actor_options,
+            }
+        ],
+    }
+
+
+def _health_app(host: str, port: int) -> dict[str, Any]:
+    return {
+        "name": "health",
+        "route_prefix": "/health",
+        "import_path": "services.common.health_app:build",
+        "args": {"host": host, "port": port},
+        "deployments": [
+            {
+                "name": "HealthGateway",
+                "num_replicas": 1,
+                "ray_actor_options": {"num_cpus": HEALTH_NUM_CPUS, "resources": {HEAD_NODE_RESOURCE: 0.001}},
+            }
+        ],
+    }
+
+
+def serve_config(
+    target: Literal["local", "gpu"],
+    *,
+    grpc_port: int = GRPC_PORT,
+    health_port: int = HEALTH_PORT,
+    http_port: int = HTTP_PORT,
+    model_dirs: dict[str, str | None] | None = None,
+) -> dict[str, Any]:
+    """The serve config (ServeDeploySchema as a dict) for `target`."""
+    apps = LOCAL_APPS if target == "local" else GPU_APPS
+    host = "127.0.0.1" if target == "local" else "0.0.0.0"
+    dirs = model_dirs or {}
+    return {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": host, "port": http_port},
+        "grpc_options": {"port": grpc_port, "grpc_servicer_functions": list(SERVICER_FUNCTIONS)},
+        "logging_config": {"encoding": "TEXT", "log_level": "INFO"},
+        "applications": [_app(spec, dirs.get(spec.name)) for spec in apps] + [_health_app(host, health_port)],
+    }
+
+
+def reserved_cpus(config: dict[str, Any]) -> float:
+    """CPUs the config reserves with every app at its maximum replica count."""
+    total = 0.0
+    for app in config["applications"]:
+        for dep in app["deployments"]:
+            replicas = dep.get("autoscaling_config", {}).get("max_replicas", dep.get("num_replicas", 1))
+            total += replicas * dep["ray_actor_options"]["num_cpus"]
+    return total
+
+
+HEADER = "# Written by `python -m services.common.deploy_config` ({what}); edit that module, not this file.\n"
+
+
+def write(path: Path, config: dict[str, Any], what: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(HEADER.format(what=what) + yaml.safe_dump(config, sort_keys=False))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.parse_args(argv)
+    write(LOCAL_PATH, serve_config("local"), "CPU, 2 cores")
+    write(GPU_PATH, serve_config("gpu"), "GPU nodes")
+    print(f"wrote {LOCAL_PATH.relative_to(ROOT)} and {GPU_PATH.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

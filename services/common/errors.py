@@ -1,0 +1,101 @@
+"""The one mapping from Python exceptions to gRPC status codes, shared by the four apps.
+
+A handler never builds a status by hand: it raises (or lets the model raise) and `to_status` decides.
+- pydantic `ValidationError` and `InvalidArgument` -> INVALID_ARGUMENT, details naming the field;
+- `Overloaded` (and the service's own capacity errors, passed in `known`) -> RESOURCE_EXHAUSTED;
+- `NotFound` -> NOT_FOUND; `Unimplemented` -> UNIMPLEMENTED; `TimeoutError` -> DEADLINE_EXCEEDED;
+- `asyncio.CancelledError` / `Cancelled` -> CANCELLED;
+- anything else -> INTERNAL with a short message and the request id: never a traceback or a file path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import grpc
+from pydantic import ValidationError
+
+# The longest details string a client sees; a validation message is short, this only bounds pathological input.
+MAX_DETAILS = 300
+
+
+class InvalidArgument(ValueError):
+    """A request field is wrong in a way pydantic cannot see (e.g. bytes that are not an image)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class Overloaded(RuntimeError):
+    """The service cannot take this request now; the client should retry later."""
+
+
+class NotFound(LookupError):
+    """The request names something this server does not have (e.g. an unknown health service name)."""
+
+
+class Unimplemented(LookupError):
+    """The call reached an application that does not serve this RPC (wrong `application` metadata)."""
+
+
+class Cancelled(RuntimeError):
+    """The request was cancelled before it finished."""
+
+
+@dataclass(frozen=True)
+class Status:
+    code: grpc.StatusCode
+    details: str
+
+
+def field_path(loc: tuple) -> str:
+    """pydantic's error location ("messages", 0, "role") as `messages[0].role`."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path or "request"
+
+
+def _validation_details(exc: ValidationError) -> str:
+    first = exc.errors(include_url=False, include_context=False, include_input=False)[0]
+    message = str(first["msg"]).removeprefix("Value error, ")
+    return f"{field_path(tuple(first['loc']))}: {message}"
+
+
+def to_status(
+    exc: BaseException,
+    request_id: str,
+    known: Mapping[type[BaseException], tuple[grpc.StatusCode, str | None]] | None = None,
+) -> Status:
+    """The status a client receives for `exc`.
+
+    `known` maps a service's own exception types to (code, field): e.g. the text engine's PromptTooLong to
+    (INVALID_ARGUMENT, "prompt"). Their message is shown after the field name.
+    """
+    for exc_type, (code, field) in (known or {}).items():
+        if isinstance(exc, exc_type):
+            message = str(exc) or exc_type.__name__
+            return Status(code, _clip(f"{field}: {message}" if field else message))
+    if isinstance(exc, ValidationError):
+        return Status(grpc.StatusCode.INVALID_ARGUMENT, _clip(_validation_details(exc)))
+    if isinstance(exc, InvalidArgument):
+        return Status(grpc.StatusCode.INVALID_ARGUMENT, _clip(str(exc)))
+    if isinstance(exc, Overloaded):
+        return Status(grpc.StatusCode.RESOURCE_EXHAUSTED, _clip(str(exc) or "overloaded, retry later"))
+    if isinstance(exc, Unimplemented):
+        return Status(grpc.StatusCode.UNIMPLEMENTED, _clip(str(exc)))
+    if isinstance(exc, NotFound):
+        return Status(grpc.StatusCode.NOT_FOUND, _clip(str(exc)))
+    if isinstance(exc, TimeoutError):
+        return Status(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+    if isinstance(exc, asyncio.CancelledError | Cancelled):
+        return Status(grpc.StatusCode.CANCELLED, "cancelled")
+    return Status(grpc.StatusCode.INTERNAL, f"internal error (request id {request_id})")
+
+
+def _clip(details: str) -> str:
+    return details if len(details) <= MAX_DETAILS else details[: MAX_DETAILS - 3] + "..."

@@ -1,0 +1,102 @@
+"""The standard gRPC health service (grpc.health.v1.Health/Check) for genserve.
+
+Two places answer it:
+- on the Serve gRPC port (9000), every app's deployment has a `Check` method, reached with the metadata
+  `application: <app>`: SERVING for "" and for its own service name while its model can take requests;
+- on the health port (GENSERVE_HEALTH_PORT, default 9001) a small gRPC server inside the `health` app answers
+  clients that send no metadata at all (Kubernetes gRPC probes): a service is SERVING while its application is
+  RUNNING in Ray Serve, and "" is SERVING while all four are.
+Unknown service names answer NOT_FOUND, as the health protocol asks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from .errors import NotFound
+
+logger = logging.getLogger("ray.serve")
+
+# gRPC service name -> Ray Serve application name.
+SERVICES = {
+    "genserve.v1.TextGeneration": "text",
+    "genserve.v1.ImageGan": "gan",
+    "genserve.v1.Vae": "vae",
+    "genserve.v1.Diffusion": "diffusion",
+}
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# serve.status() is a controller round trip; probes arrive every few seconds, so a short cache is plenty fresh.
+STATUS_TTL_S = 1.0
+
+
+def check(request: health_pb2.HealthCheckRequest, service: str, serving: bool) -> health_pb2.HealthCheckResponse:
+    """The answer of one app for its own gRPC service name (or "")."""
+    if request.service not in ("", service):
+        raise NotFound(f"service: unknown service {request.service!r} on this application")
+    return health_pb2.HealthCheckResponse(status=SERVING if serving else NOT_SERVING)
+
+
+def status_of(service: str, app_running: dict[str, bool]) -> int:
+    """The health status of `service` ("" = all) given which applications are RUNNING."""
+    if service == "":
+        return SERVING if all(app_running.get(app, False) for app in SERVICES.values()) else NOT_SERVING
+    if service not in SERVICES:
+        raise NotFound(f"service: unknown service {service!r}")
+    return SERVING if app_running.get(SERVICES[service], False) else NOT_SERVING
+
+
+class ServeStatusCache:
+    """Which Serve applications are RUNNING, read from the controller at most once per STATUS_TTL_S."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._at = -float("inf")
+        self._running: dict[str, bool] = {}
+
+    def running(self) -> dict[str, bool]:
+        from ray import serve
+
+        with self._lock:
+            if time.monotonic() - self._at > STATUS_TTL_S:
+                try:
+                    apps = serve.status().applications
+                    self._running = {name: app.status == "RUNNING" for name, app in apps.items()}
+                except Exception:  # the controller may be restarting: report NOT_SERVING, never crash a probe
+                    logger.warning("health: serve.status() failed", exc_info=True)
+                    self._running = {}
+                self._at = time.monotonic()
+            return dict(self._running)
+
+
+class _HealthServicer(health_pb2_grpc.HealthServicer):
+    def __init__(self, cache: ServeStatusCache):
+        self._cache = cache
+
+    def Check(self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext):
+        try:
+            status = status_of(request.service, self._cache.running())
+        except NotFound as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        return health_pb2.HealthCheckResponse(status=status)
+
+
+def start_health_server(host: str, port: int, cache: ServeStatusCache) -> grpc.Server:
+    """A plain gRPC server (own threads, no Serve proxy) answering Health/Check without metadata."""
+    # No SO_REUSEPORT: a second stack on the same port must fail loudly, not share probes with the first.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=[("grpc.so_reuseport", 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(_HealthServicer(cache), server)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise RuntimeError(f"health port {host}:{port} is in use")
+    server.start()
+    return server

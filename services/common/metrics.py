@@ -1,0 +1,119 @@
+"""Prometheus metrics of the four apps, one naming scheme: `genserve_*` (Ray exports them with a `ray_` prefix).
+
+Every metric carries the `service` label (text | gan | vae | diffusion); Ray Serve adds `application`,
+`deployment` and `replica`. The handler wrapper (services/common/rpc.py) records the request metrics; the apps
+record their own model metrics through `ServiceMetrics`.
+
+- genserve_requests (counter; service, method, code): finished RPCs by gRPC status code
+- genserve_request_latency_seconds (histogram; service, method): handler entry to the last byte
+- genserve_ongoing_requests (gauge; service): requests inside this replica (its queue depth)
+- genserve_text_time_to_first_token_seconds (histogram; service, method): handler entry to the first token
+- genserve_text_generated_tokens (counter; service): generated tokens (tokens/s via rate())
+- genserve_text_kv_free_blocks (gauge; service): free blocks of the paged KV cache
+- genserve_diffusion_steps (counter; service): denoising steps run (steps/s via rate())
+- genserve_diffusion_step_seconds (histogram; service): duration of one denoising step
+- genserve_images (counter; service, method): images produced (images/s via rate())
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from ray.serve import metrics
+
+LATENCY_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+STEP_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+
+
+@dataclass(frozen=True)
+class _Registry:
+    requests: metrics.Counter
+    latency: metrics.Histogram
+    ongoing: metrics.Gauge
+    ttft: metrics.Histogram
+    tokens: metrics.Counter
+    kv_free: metrics.Gauge
+    steps: metrics.Counter
+    step_seconds: metrics.Histogram
+    images: metrics.Counter
+
+
+@functools.cache
+def _registry() -> _Registry:
+    """Created on first use inside a replica (never at import), once per process."""
+    return _Registry(
+        requests=metrics.Counter(
+            "genserve_requests", description="Finished RPCs by gRPC status code.",
+            tag_keys=("service", "method", "code"),
+        ),
+        latency=metrics.Histogram(
+            "genserve_request_latency_seconds", description="RPC latency inside the replica.",
+            boundaries=LATENCY_BOUNDARIES, tag_keys=("service", "method"),
+        ),
+        ongoing=metrics.Gauge(
+            "genserve_ongoing_requests", description="Requests being handled by this replica.", tag_keys=("service",)
+        ),
+        ttft=metrics.Histogram(
+            "genserve_text_time_to_first_token_seconds", description="Time to the first generated token.",
+            boundaries=LATENCY_BOUNDARIES, tag_keys=("service", "method"),
+        ),
+        tokens=metrics.Counter(
+            "genserve_text_generated_tokens", description="Generated tokens.", tag_keys=("service",)
+        ),
+        kv_free=metrics.Gauge(
+            "genserve_text_kv_free_blocks", description="Free blocks of the paged KV cache.", tag_keys=("service",)
+        ),
+        steps=metrics.Counter(
+            "genserve_diffusion_steps", description="Denoising steps run.", tag_keys=("service",)
+        ),
+        step_seconds=metrics.Histogram(
+            "genserve_diffusion_step_seconds", description="Duration of one denoising step.",
+            boundaries=STEP_BOUNDARIES, tag_keys=("service",),
+        ),
+        images=metrics.Counter(
+            "genserve_images", description="Images produced.", tag_keys=("service", "method")
+        ),
+    )
+
+
+class ServiceMetrics:
+    """The metrics of one service inside one replica."""
+
+    def __init__(self, service: str):
+        self.service = service
+        self._ongoing = 0
+
+    def request_started(self) -> None:
+        self._ongoing += 1
+        _registry().ongoing.set(self._ongoing, tags={"service": self.service})
+
+    def request_finished(self, method: str, code: str, seconds: float) -> None:
+        self._ongoing -= 1
+        reg = _registry()
+        reg.ongoing.set(self._ongoing, tags={"service": self.service})
+        reg.requests.inc(1, tags={"service": self.service, "method": method, "code": code})
+        reg.latency.observe(seconds, tags={"service": self.service, "method": method})
+
+    @property
+    def ongoing(self) -> int:
+        return self._ongoing
+
+    def first_token(self, method: str, seconds: float) -> None:
+        _registry().ttft.observe(seconds, tags={"service": self.service, "method": method})
+
+    def tokens(self, n: int) -> None:
+        if n:
+            _registry().tokens.inc(n, tags={"service": self.service})
+
+    def kv_free_blocks(self, n: int) -> None:
+        _registry().kv_free.set(n, tags={"service": self.service})
+
+    def denoising_step(self, seconds: float) -> None:
+        reg = _registry()
+        reg.steps.inc(1, tags={"service": self.service})
+        reg.step_seconds.observe(seconds, tags={"service": self.service})
+
+    def images(self, method: str, n: int) -> None:
+        if n:
+            _registry().images.inc(n, tags={"service": self.service, "method": method})

@@ -1,0 +1,163 @@
+"""The `diffusion` application: genserve.v1.Diffusion (Generate, GenerateStream) on Ray Serve.
+
+The denoising loop runs in a worker thread and reports each step through a queue, so the stream sends progress
+(and optional previews) while the loop runs. The final latents go to the `vae` application's `Decode` through a
+deployment handle, with the same protobuf messages a gRPC client would send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import torch
+from genserve.v1 import common_pb2, diffusion_pb2, vae_pb2
+from grpc_health.v1 import health_pb2
+from pydantic import Field, field_validator
+from ray import serve
+from ray.serve.deployment import Application
+from ray.serve.exceptions import BackPressureError
+
+from services.common import health
+from services.common.builder import build_app, handle_to
+from services.common.device import serving_device
+from services.common.images import image_messages, tensor_message
+from services.common.metrics import ServiceMetrics
+from services.common.rpc import streaming, unary, unknown_rpcs
+from services.common.validation import Request, parse, resolve_seed
+from services.diffusion.pipeline import (
+    DEFAULT_GUIDANCE_SCALE,
+    DEFAULT_STEPS,
+    MAX_GUIDANCE_SCALE,
+    MAX_PROMPT_CHARS,
+    MAX_STEPS,
+    SCHEDULERS,
+    Cancelled,
+    DiffusionPipeline,
+)
+
+SERVICE = "genserve.v1.Diffusion"
+# One request holds a replica for all its steps; a small batch keeps the queue moving.
+MAX_IMAGES = 8
+DEFAULT_SCHEDULER = "ddim"
+_DONE = object()
+
+
+class DiffusionIn(Request):
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    negative_prompt: str = Field("", max_length=MAX_PROMPT_CHARS)
+    num_images: int = Field(1, ge=1, le=MAX_IMAGES)
+    steps: int = Field(DEFAULT_STEPS, ge=1, le=MAX_STEPS)
+    guidance_scale: float = Field(DEFAULT_GUIDANCE_SCALE, ge=0, le=MAX_GUIDANCE_SCALE, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=0)
+    scheduler: str = ""
+    eta: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
+    preview_every: int = Field(0, ge=0, le=MAX_STEPS)
+
+    @field_validator("scheduler")
+    @classmethod
+    def _known_scheduler(cls, name: str) -> str:
+        if name and name not in SCHEDULERS:
+            raise ValueError(f"unknown scheduler {name!r}; one of {', '.join(sorted(SCHEDULERS))}")
+        return name or DEFAULT_SCHEDULER
+
+
+def _progress(step: int, total: int, elapsed: float) -> diffusion_pb2.DiffusionEvent:
+    return diffusion_pb2.DiffusionEvent(
+        progress=diffusion_pb2.DiffusionProgress(step=step, total_steps=total, elapsed_s=elapsed)
+    )
+
+
+@serve.deployment(name="Diffusion", max_ongoing_requests=4)
+class Diffusion:
+    __getattr__ = unknown_rpcs
+    # BackPressureError: the `vae` application's queue is full, so this request cannot be decoded now.
+    known_errors = {
+        Cancelled: (grpc.StatusCode.CANCELLED, None),
+        BackPressureError: (grpc.StatusCode.RESOURCE_EXHAUSTED, None),
+    }
+
+    def __init__(self, model_dir: str | None):
+        self.metrics = ServiceMetrics("diffusion")
+        self.pipe = DiffusionPipeline.from_dir(model_dir, device=serving_device())
+        self._vae = None
+        self._status = health.ServeStatusCache()
+
+    def _decoder(self) -> Any:
+        if self._vae is None:
+            self._vae = handle_to("vae")
+        return self._vae
+
+    async def _events(self, request: diffusion_pb2.DiffusionRequest) -> AsyncIterator[diffusion_pb2.DiffusionEvent]:
+        """Progress and preview events while the loop runs in a thread, then the decoded images (last event)."""
+        req = parse(DiffusionIn, request)
+        seed = resolve_seed(req.seed)
+        loop, queue, cancel = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
+        start = time.perf_counter()
+
+        def on_step(step: int, total: int, latents: torch.Tensor) -> None:
+            events = [_progress(step, total, time.perf_counter() - start)]
+            if req.preview_every and step % req.preview_every == 0:
+                preview = diffusion_pb2.DiffusionPreview(step=step, images=image_messages(self.pipe.preview(latents)))
+                events.append(diffusion_pb2.DiffusionEvent(preview=preview))
+            for event in events:
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        def run() -> torch.Tensor:
+            try:
+                with torch.inference_mode():
+                    return self.pipe.generate(
+                        [req.prompt] * req.num_images, [req.negative_prompt] * req.num_images, steps=req.steps,
+                        guidance_scale=req.guidance_scale, seed=seed, scheduler=req.scheduler, eta=req.eta,
+                        on_step=on_step, should_cancel=cancel.is_set,
+                    )
+            finally:
+                loop.call_soon_threadsafe(queue.put_nowait, _DONE)
+
+        task = asyncio.ensure_future(asyncio.to_thread(run))
+        try:
+            last = 0.0
+            while (event := await queue.get()) is not _DONE:
+                if event.HasField("progress"):
+                    self.metrics.denoising_step(event.progress.elapsed_s - last)
+                    last = event.progress.elapsed_s
+                yield event
+            latents = await task  # (N, C, h, w), ready for the VAE's decode
+        finally:
+            cancel.set()  # the loop stops at its next step when the client went away
+        images = await self._decoder().Decode.remote(vae_pb2.DecodeRequest(latents=tensor_message(latents)))
+        images.seed = seed
+        self.metrics.images("Generate", len(images.images))
+        yield diffusion_pb2.DiffusionEvent(result=images)
+
+    @unary(diffusion_pb2.DiffusionRequest, common_pb2.ImagesResponse)
+    async def Generate(self, request: diffusion_pb2.DiffusionRequest) -> common_pb2.ImagesResponse:
+        result = common_pb2.ImagesResponse()
+        async with contextlib.aclosing(self._events(request)) as events:
+            async for event in events:
+                if event.HasField("result"):
+                    result = event.result
+        return result
+
+    @streaming(diffusion_pb2.DiffusionRequest)
+    async def GenerateStream(
+        self, request: diffusion_pb2.DiffusionRequest
+    ) -> AsyncIterator[diffusion_pb2.DiffusionEvent]:
+        async with contextlib.aclosing(self._events(request)) as events:
+            async for event in events:
+                yield event
+
+    @unary(health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse)
+    async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
+        """NOT_SERVING while the `vae` application (which decodes our latents) is not RUNNING."""
+        running = await asyncio.to_thread(self._status.running)
+        return health.check(request, SERVICE, serving=running.get("vae", False))
+
+
+def build(args: dict[str, Any] | None = None) -> Application:
+    return build_app("diffusion", Diffusion, args)

@@ -1,0 +1,85 @@
+"""The `gan` application: genserve.v1.ImageGan (Sample, Interpolate) on Ray Serve."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import torch
+from genserve.v1 import common_pb2, gan_pb2
+from grpc_health.v1 import health_pb2
+from pydantic import Field
+from ray import serve
+from ray.serve.deployment import Application
+
+from services.common import health
+from services.common.builder import build_app
+from services.common.device import serving_device
+from services.common.images import images_response
+from services.common.metrics import ServiceMetrics
+from services.common.rpc import unary, unknown_rpcs
+from services.common.validation import Request, parse, resolve_seed
+from services.gan.model import load_generator
+from services.gan.sampling import generate, sample_latents, slerp
+
+SERVICE = "genserve.v1.ImageGan"
+MAX_IMAGES = 64
+# The truncation trick redraws latent entries with |z| > truncation: below ~0.1 almost every draw is redone.
+MIN_TRUNCATION = 0.1
+MAX_TRUNCATION = 4.0
+
+
+class SampleIn(Request):
+    num_images: int = Field(1, ge=1, le=MAX_IMAGES)
+    seed: int | None = Field(None, ge=0)
+    truncation: float | None = Field(None, ge=MIN_TRUNCATION, le=MAX_TRUNCATION, allow_inf_nan=False)
+
+
+class InterpolateIn(Request):
+    seed_start: int = Field(0, ge=0)
+    seed_end: int = Field(0, ge=0)
+    steps: int = Field(8, ge=2, le=MAX_IMAGES)
+    truncation: float | None = Field(None, ge=MIN_TRUNCATION, le=MAX_TRUNCATION, allow_inf_nan=False)
+
+
+@serve.deployment(name="ImageGan", max_ongoing_requests=8)
+class ImageGan:
+    __getattr__ = unknown_rpcs
+
+    def __init__(self, model_dir: str | None):
+        self.metrics = ServiceMetrics("gan")
+        self.generator = load_generator(model_dir, device=serving_device())
+        self.z_dim = self.generator.config.z_dim
+
+    async def _generate(self, z: torch.Tensor) -> torch.Tensor:
+        def run() -> torch.Tensor:
+            with torch.inference_mode():
+                return generate(self.generator, z)  # (N, 3, H, W) in [-1, 1]
+
+        return await asyncio.to_thread(run)
+
+    @unary(gan_pb2.GanSampleRequest, common_pb2.ImagesResponse)
+    async def Sample(self, request: gan_pb2.GanSampleRequest) -> common_pb2.ImagesResponse:
+        req = parse(SampleIn, request)
+        seed = resolve_seed(req.seed)
+        images = await self._generate(sample_latents(req.num_images, seed, req.truncation, self.z_dim))
+        self.metrics.images("Sample", images.shape[0])
+        return images_response(images, seed)
+
+    @unary(gan_pb2.GanInterpolateRequest, common_pb2.ImagesResponse)
+    async def Interpolate(self, request: gan_pb2.GanInterpolateRequest) -> common_pb2.ImagesResponse:
+        req = parse(InterpolateIn, request)
+        z0 = sample_latents(1, req.seed_start, req.truncation, self.z_dim)
+        z1 = sample_latents(1, req.seed_end, req.truncation, self.z_dim)
+        z = slerp(z0, z1, torch.linspace(0, 1, req.steps).unsqueeze(-1))  # (steps, z_dim)
+        images = await self._generate(z)
+        self.metrics.images("Interpolate", images.shape[0])
+        return images_response(images, req.seed_start)
+
+    @unary(health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse)
+    async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
+        return health.check(request, SERVICE, serving=True)
+
+
+def build(args: dict[str, Any] | None = None) -> Application:
+    return build_app("gan", ImageGan, args)

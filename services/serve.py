@@ -1,0 +1,187 @@
+"""`make serve`: start Ray on 127.0.0.1, deploy deploy/serve_config.local.yaml, wait until every app is RUNNING,
+print how to call it, and shut everything down on Ctrl-C or SIGTERM.
+
+Ports are flags (or env vars) so that several stacks can share a machine:
+  --grpc-port (GENSERVE_GRPC_PORT, 9000)    the Serve gRPC proxy; clients send the `application` metadata
+  --health-port (GENSERVE_HEALTH_PORT, 9001) grpc.health.v1.Health/Check for clients without metadata
+  --http-port (GENSERVE_HTTP_PORT, 8000)    the Serve HTTP proxy (unused by genserve, but Serve binds it)
+  --metrics-port (GENSERVE_METRICS_PORT, 8080) Ray's Prometheus endpoint, with the genserve_* metrics
+Ray's own ports (GCS, raylet, object manager) are picked free at start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from services.common.deploy_config import GRPC_PORT, HEALTH_PORT, HTTP_PORT, LOCAL_PATH
+
+# The traps in ../shared/notes/ray-serve-grpc.md: Ray must bind 127.0.0.1, must not switch on token auth (a
+# second driver could not connect), and must not phone home (no network here).
+RAY_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+METRICS_PORT = 8080
+READY_LINE = "genserve: ready"
+
+
+class Stop(Exception):
+    """Raised by the signal handlers to leave the wait loop and shut down."""
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, default=LOCAL_PATH, help="serve config YAML (default: the CPU one)")
+    parser.add_argument("--grpc-port", type=int, default=_env_int("GENSERVE_GRPC_PORT", GRPC_PORT),
+                        help="the Serve gRPC proxy (default $GENSERVE_GRPC_PORT or 9000)")
+    parser.add_argument("--health-port", type=int, default=_env_int("GENSERVE_HEALTH_PORT", HEALTH_PORT),
+                        help="Health/Check without metadata (default $GENSERVE_HEALTH_PORT or 9001)")
+    parser.add_argument("--http-port", type=int, default=_env_int("GENSERVE_HTTP_PORT", HTTP_PORT),
+                        help="Serve's HTTP proxy, unused by genserve (default $GENSERVE_HTTP_PORT or 8000)")
+    parser.add_argument("--metrics-port", type=int, default=_env_int("GENSERVE_METRICS_PORT", METRICS_PORT),
+                        help="Prometheus metrics (default $GENSERVE_METRICS_PORT or 8080)")
+    parser.add_argument("--dashboard", action="store_true", help="also start the Ray dashboard (about 1 GB)")
+    parser.add_argument("--dashboard-port", type=int, default=_env_int("GENSERVE_DASHBOARD_PORT", 8265))
+    parser.add_argument("--num-cpus", type=float, default=None, help="CPUs Ray may schedule (default: all)")
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for every app to be RUNNING")
+    parser.add_argument("--verbose", action="store_true", help="print the replicas' logs here")
+    for app in ("text", "gan", "vae", "diffusion"):
+        parser.add_argument(
+            f"--{app}-model", metavar="DIR", default=None,
+            help=f"checkpoint directory for the {app} app (default: $GENSERVE_{app.upper()}_MODEL or demo weights)",
+        )
+
+
+def load_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The config file with this run's ports and model directories put in."""
+    config = yaml.safe_load(args.config.read_text())
+    config["grpc_options"]["port"] = args.grpc_port
+    config["http_options"]["port"] = args.http_port
+    for app in config["applications"]:
+        if app["name"] == "health":
+            app["args"]["port"] = args.health_port
+        model_dir = getattr(args, f"{app['name']}_model", None)
+        if model_dir:
+            app["args"]["model_dir"] = str(Path(model_dir).resolve())
+    return config
+
+
+def start(args: argparse.Namespace, config: dict[str, Any]) -> None:
+    """Start a fresh local Ray (never join another stack's) and submit the config."""
+    import ray
+    from ray.serve._private.api import serve_start
+    from ray.serve.config import gRPCOptions
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.model_validate(config)
+    ray.init(
+        address="local", num_cpus=args.num_cpus, include_dashboard=args.dashboard,
+        dashboard_port=args.dashboard_port, log_to_driver=args.verbose, namespace="genserve",
+        object_store_memory=512 * 2**20, _metrics_export_port=args.metrics_port, _node_ip_address="127.0.0.1",
+    )
+    # The same two calls `serve run CONFIG` makes, without its CLI (and without needing the dashboard).
+    client = serve_start(
+        http_options=schema.http_options.model_dump(), proxy_location=schema.proxy_location,
+        grpc_options=gRPCOptions(**schema.grpc_options.model_dump()),
+    )
+    client.deploy_apps(schema, _blocking=False)
+
+
+def wait_ready(names: list[str], timeout: float) -> None:
+    """Block until every application in `names` is RUNNING; raise RuntimeError when one fails or time runs out."""
+    from ray import serve
+
+    from services.common.health_app import label
+
+    deadline = time.monotonic() + timeout
+    statuses: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        apps = serve.status().applications
+        statuses = {name: label(apps[name].status) if name in apps else "NOT_STARTED" for name in names}
+        failed = {n: apps[n].message for n in names if statuses[n] in ("DEPLOY_FAILED", "UNHEALTHY")}
+        if failed:
+            raise RuntimeError("applications failed: " + "; ".join(f"{n}: {m}" for n, m in failed.items()))
+        if all(s == "RUNNING" for s in statuses.values()):
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"not RUNNING after {timeout:.0f} s: {statuses}")
+
+
+def shutdown() -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def usage(args: argparse.Namespace) -> str:
+    address = f"127.0.0.1:{args.grpc_port}"
+    flag = "" if args.grpc_port == GRPC_PORT else f" --address {address}"
+    return "\n".join([
+        f"{READY_LINE}: gRPC on {address} (metadata application=text|gan|vae|diffusion), "
+        f"health without metadata on 127.0.0.1:{args.health_port}, metrics on 127.0.0.1:{args.metrics_port}",
+        "  in another shell:",
+        f"    genserve{flag} text \"The with statement\" --stream",
+        f"    genserve{flag} gan -n 16 -o samples/",
+        f"    genserve{flag} diffuse \"a large blue square at the bottom right\" -o square.png",
+        f"    genserve{flag} vae reconstruct square.png -o recon.png",
+        f"    genserve{flag} status",
+        "  Ctrl-C stops everything.",
+    ])
+
+
+def _raise_stop(signum: int, frame: object) -> None:
+    raise Stop(signal.Signals(signum).name)
+
+
+def run(args: argparse.Namespace) -> int:
+    # Before the first `import ray`: Ray reads some of these once, when its constants module loads.
+    for key, value in RAY_ENV.items():
+        os.environ.setdefault(key, value)
+    config = load_config(args)
+    started = time.monotonic()
+    try:
+        start(args, config)
+        # After ray.init, which installs its own SIGTERM handler in the driver.
+        signal.signal(signal.SIGINT, _raise_stop)
+        signal.signal(signal.SIGTERM, _raise_stop)
+        wait_ready([app["name"] for app in config["applications"]], args.timeout)
+        print(usage(args), flush=True)
+        print(f"  (ready in {time.monotonic() - started:.1f} s)", flush=True)
+        while True:
+            time.sleep(3600)
+    except Stop as stop:
+        print(f"genserve: {stop}, shutting down", flush=True)
+        return 0
+    except RuntimeError as exc:
+        print(f"genserve: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="genserve serve", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

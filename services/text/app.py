@@ -1,0 +1,209 @@
+"""The `text` application: genserve.v1.TextGeneration on Ray Serve, in front of the continuous-batching engine.
+
+Each handler validates the request (pydantic), hands token ids to `AsyncLLMEngine` and turns its `Delta`s into
+protobuf; streaming sends every delta as the engine produces it. Errors become statuses in services/common.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import grpc
+import jinja2
+from genserve.v1 import text_pb2
+from grpc_health.v1 import health_pb2
+from pydantic import Field, field_validator
+from pydantic_core.core_schema import ValidationInfo
+from ray import serve
+from ray.serve.deployment import Application
+
+from services.common import health
+from services.common.builder import build_app
+from services.common.errors import InvalidArgument
+from services.common.metrics import ServiceMetrics
+from services.common.rpc import streaming, unary, unknown_rpcs
+from services.common.validation import Request, parse, resolve_seed
+from services.text.engine import AsyncLLMEngine, Delta, EngineOverloaded, PromptTooLong, SamplingParams
+
+SERVICE = "genserve.v1.TextGeneration"
+MAX_PROMPT_CHARS = 16_384
+MAX_MESSAGES = 64
+MAX_TOKENS = 1024
+MAX_STOPS = 4
+MAX_STOP_CHARS = 64
+MAX_TOP_K = 1000
+MAX_LOGPROBS = 5
+DEFAULT_MAX_TOKENS = 64
+DEFAULT_TEMPERATURE = 1.0
+
+
+class ChatMessageIn(Request):
+    role: Literal["system", "user", "assistant"]
+    content: str = Field(max_length=MAX_PROMPT_CHARS)
+
+
+def _prompt_or_messages(prompt: str, info: ValidationInfo, what: str) -> str:
+    has_messages = bool(info.data.get("messages"))
+    if has_messages and prompt:
+        raise ValueError(f"give either {what} or messages, not both")
+    if not has_messages and not prompt:
+        raise ValueError("must not be empty (or give messages)")
+    return prompt
+
+
+class TextIn(Request):
+    """A TextRequest after validation; defaults are the documented ones (docs/protocol.md)."""
+
+    messages: list[ChatMessageIn] = Field(default_factory=list, max_length=MAX_MESSAGES)
+    prompt: str = Field("", max_length=MAX_PROMPT_CHARS, validate_default=True)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    temperature: float = Field(DEFAULT_TEMPERATURE, ge=0, le=2, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K)
+    seed: int | None = Field(None, ge=0)
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOPS)
+    min_p: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, gt=0, le=10, allow_inf_nan=False)
+    presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    logprobs: int = Field(0, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_source(cls, prompt: str, info: ValidationInfo) -> str:
+        return _prompt_or_messages(prompt, info, "prompt")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stop: list[str]) -> list[str]:
+        if any(not s or len(s) > MAX_STOP_CHARS for s in stop):
+            raise ValueError(f"each stop string must have 1..{MAX_STOP_CHARS} characters")
+        return stop
+
+    def sampling_params(self, room: int) -> SamplingParams:
+        """`room`: tokens left in the context after the prompt; an unset max_tokens takes min(default, room)."""
+        max_tokens = self.max_tokens if self.max_tokens is not None else max(1, min(DEFAULT_MAX_TOKENS, room))
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, seed=resolve_seed(self.seed), stop=tuple(self.stop),
+            logprobs=self.logprobs,
+        )
+
+
+class TokenizeIn(Request):
+    messages: list[ChatMessageIn] = Field(default_factory=list, max_length=MAX_MESSAGES)
+    text: str = Field("", max_length=MAX_PROMPT_CHARS, validate_default=True)
+
+    @field_validator("text")
+    @classmethod
+    def _one_source(cls, text: str, info: ValidationInfo) -> str:
+        return _prompt_or_messages(text, info, "text")
+
+
+def _logprob_messages(delta: Delta) -> list[text_pb2.TokenLogprob]:
+    return [
+        text_pb2.TokenLogprob(
+            token_id=lp.token_id, logprob=lp.logprob,
+            top=[text_pb2.TopLogprob(token_id=t, logprob=p) for t, p in lp.top],
+        )
+        for lp in delta.logprobs
+    ]
+
+
+@serve.deployment(name="TextGeneration", max_ongoing_requests=16)
+class TextGeneration:
+    __getattr__ = unknown_rpcs
+    known_errors = {
+        PromptTooLong: (grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+        EngineOverloaded: (grpc.StatusCode.RESOURCE_EXHAUSTED, None),
+    }
+
+    def __init__(self, model_dir: str | None):
+        self.metrics = ServiceMetrics("text")
+        self.engine = AsyncLLMEngine.from_dir(model_dir)
+
+    def _prompt_ids(self, prompt: str, messages: list[ChatMessageIn]) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if not messages:
+            return tokenizer.encode(prompt)
+        try:
+            text = tokenizer.apply_chat_template([m.model_dump() for m in messages])
+        except (ValueError, jinja2.TemplateError) as exc:  # the template refused the conversation
+            raise InvalidArgument("messages", str(exc)) from exc
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def _prepare(self, request: text_pb2.TextRequest) -> tuple[list[int], SamplingParams]:
+        req = parse(TextIn, request)
+        prompt_ids = self._prompt_ids(req.prompt, req.messages)
+        if not prompt_ids:
+            raise InvalidArgument("prompt", "encodes to no tokens")
+        return prompt_ids, req.sampling_params(room=self.engine.max_context - len(prompt_ids))
+
+    async def _deltas(self, prompt_ids: list[int], params: SamplingParams, method: str) -> AsyncIterator[Delta]:
+        """The engine's deltas as they come; closing this generator aborts the request in the engine."""
+        start, first = time.perf_counter(), True
+        async with contextlib.aclosing(self.engine.stream(prompt_ids, params, uuid.uuid4().hex)) as stream:
+            async for delta in stream:
+                if first and delta.token_ids:
+                    self.metrics.first_token(method, time.perf_counter() - start)
+                    first = False
+                self.metrics.tokens(len(delta.token_ids))
+                yield delta
+        self.metrics.kv_free_blocks(self.engine.info()["kv_blocks_free"])
+
+    @unary(text_pb2.TextRequest, text_pb2.TextResponse)
+    async def Generate(self, request: text_pb2.TextRequest) -> text_pb2.TextResponse:
+        prompt_ids, params = self._prepare(request)
+        reply = text_pb2.TextResponse(prompt_tokens=len(prompt_ids), seed=params.seed)
+        texts: list[str] = []
+        async with contextlib.aclosing(self._deltas(prompt_ids, params, "Generate")) as deltas:
+            async for delta in deltas:
+                texts.append(delta.text)
+                reply.token_ids.extend(delta.token_ids)
+                reply.logprobs.extend(_logprob_messages(delta))
+                reply.finish_reason = delta.finish_reason or ""
+        reply.text = "".join(texts)
+        return reply
+
+    @streaming(text_pb2.TextRequest)
+    async def GenerateStream(self, request: text_pb2.TextRequest) -> AsyncIterator[text_pb2.TextChunk]:
+        prompt_ids, params = self._prepare(request)
+        async with contextlib.aclosing(self._deltas(prompt_ids, params, "GenerateStream")) as deltas:
+            async for delta in deltas:
+                yield text_pb2.TextChunk(
+                    text=delta.text, token_ids=delta.token_ids, finish_reason=delta.finish_reason or "",
+                    logprobs=_logprob_messages(delta),
+                )
+
+    @unary(text_pb2.TokenizeRequest, text_pb2.TokenizeResponse)
+    async def Tokenize(self, request: text_pb2.TokenizeRequest) -> text_pb2.TokenizeResponse:
+        req = parse(TokenizeIn, request)
+        ids = self._prompt_ids(req.text, req.messages)
+        decode = self.engine.tokenizer.decode
+        return text_pb2.TokenizeResponse(token_ids=ids, tokens=[decode([i], skip_special_tokens=False) for i in ids])
+
+    @unary(text_pb2.ModelInfoRequest, text_pb2.ModelInfo)
+    async def GetModelInfo(self, request: text_pb2.ModelInfoRequest) -> text_pb2.ModelInfo:
+        info = self.engine.info()
+        self.metrics.kv_free_blocks(info["kv_blocks_free"])
+        fields = text_pb2.ModelInfo.DESCRIPTOR.fields_by_name
+        return text_pb2.ModelInfo(**{k: v for k, v in info.items() if k in fields})
+
+    def check_health(self) -> None:
+        """Ray Serve's replica health check: a failed engine loop gets the replica replaced."""
+        if self.engine.error is not None:
+            raise RuntimeError(f"text engine failed: {type(self.engine.error).__name__}")
+
+    @unary(health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse)
+    async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
+        """NOT_SERVING once the engine's step loop has failed (every request would fail too)."""
+        return health.check(request, SERVICE, serving=self.engine.error is None)
+
+
+def build(args: dict[str, Any] | None = None) -> Application:
+    return build_app("text", TextGeneration, args)

@@ -1,0 +1,57 @@
+"""Past capacity the proxy sheds load at once with RESOURCE_EXHAUSTED, and the service keeps working."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from genserve.v1 import diffusion_pb2, diffusion_pb2_grpc
+
+from services.client import Client
+from services.common.deploy_config import LOCAL_APPS
+
+pytestmark = pytest.mark.e2e
+
+DIFFUSION = next(spec for spec in LOCAL_APPS if spec.name == "diffusion")
+PATIENCE_S = 3.0
+
+
+async def open_streams(address: str, n: int) -> list[tuple[grpc.StatusCode | None, float]]:
+    """Open `n` long diffusion streams at once and hold each for PATIENCE_S: (code, seconds) of each one that
+    fails in that time, else (None, PATIENCE_S); then every stream is cancelled, so the accepted work stops."""
+    request = diffusion_pb2.DiffusionRequest(prompt="a large red circle", steps=200, seed=1)
+    metadata = (("application", "diffusion"),)
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = diffusion_pb2_grpc.DiffusionStub(channel)
+
+        async def one() -> tuple[grpc.StatusCode | None, float]:
+            call = stub.GenerateStream(request, metadata=metadata, timeout=120)
+            start = loop.time()
+            try:
+                async with asyncio.timeout(PATIENCE_S):
+                    async for _ in call:
+                        pass
+                return grpc.StatusCode.OK, loop.time() - start
+            except TimeoutError:
+                return None, PATIENCE_S
+            except grpc.aio.AioRpcError as error:
+                return error.code(), loop.time() - start
+            finally:
+                call.cancel()
+
+        loop = asyncio.get_running_loop()
+
+        return await asyncio.gather(*(one() for _ in range(n)))
+
+
+def test_requests_past_the_queue_are_refused_fast_then_service_recovers(stack, client: Client) -> None:
+    capacity = DIFFUSION.max_replicas * DIFFUSION.max_ongoing_requests + DIFFUSION.max_queued_requests
+    results = asyncio.run(open_streams(stack.address, capacity + 16))
+    codes = [code for code, _ in results]
+    refused = [seconds for code, seconds in results if code == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert len(refused) >= 8, results
+    assert max(refused) < 1.0, results  # shed at once, not after waiting in a queue
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED, None}, results
+    assert len(client.diffuse("a small green triangle", steps=1, seed=2).images) == 1

@@ -1,0 +1,151 @@
+"""Every RPC of the four services over real gRPC through the Serve proxy, including both streams and the
+diffusion -> VAE hop."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import numpy as np
+import pytest
+from genserve.v1 import common_pb2
+from PIL import Image
+
+from services.client import Client
+
+pytestmark = pytest.mark.e2e
+
+
+def pixels(image: common_pb2.Image) -> np.ndarray:
+    with Image.open(io.BytesIO(image.png)) as img:
+        array = np.asarray(img.convert("RGB"), dtype=np.int16)
+    assert array.shape == (image.height, image.width, 3)
+    return array
+
+
+def test_generate_greedy_is_deterministic_and_counts_tokens(client: Client) -> None:
+    first = client.generate("The with statement", max_tokens=8, temperature=0)
+    second = client.generate("The with statement", max_tokens=8, temperature=0)
+    assert first.text == second.text and list(first.token_ids) == list(second.token_ids)
+    assert 1 <= len(first.token_ids) <= 8
+    assert first.finish_reason in ("length", "eos", "stop")
+    assert first.prompt_tokens == len(client.tokenize("The with statement").token_ids)
+
+
+def test_generate_same_seed_same_text(client: Client) -> None:
+    a = client.generate("def main", max_tokens=8, temperature=1.0, seed=1234)
+    b = client.generate("def main", max_tokens=8, temperature=1.0, seed=1234)
+    assert list(a.token_ids) == list(b.token_ids)
+    assert b.text == a.text and a.seed == 1234
+    drawn = client.generate("def main", max_tokens=8, temperature=1.0)
+    again = client.generate("def main", max_tokens=8, temperature=1.0, seed=drawn.seed)
+    assert list(again.token_ids) == list(drawn.token_ids)
+
+
+def test_generate_stream_arrives_incrementally_and_matches_unary(client: Client) -> None:
+    unary = client.generate("Return the", max_tokens=16, temperature=0)
+    start = time.perf_counter()
+    arrivals, chunks = [], []
+    for chunk in client.generate_stream("Return the", max_tokens=16, temperature=0):
+        arrivals.append(time.perf_counter() - start)
+        chunks.append(chunk)
+    assert "".join(c.text for c in chunks) == unary.text
+    assert [t for c in chunks for t in c.token_ids] == list(unary.token_ids)
+    assert chunks[-1].finish_reason == unary.finish_reason
+    assert all(c.finish_reason == "" for c in chunks[:-1])
+    # Streamed, not buffered: several chunks, and most arrive separated in time (a buffered reply would land
+    # all at once, microseconds apart).
+    assert len(chunks) >= 3
+    gaps = np.diff(arrivals)
+    assert (gaps > 1e-3).sum() >= len(gaps) // 2, f"chunks arrived in a burst: {arrivals}"
+
+
+def test_tokenize_round_trips(client: Client) -> None:
+    reply = client.tokenize("with open(path) as f:")
+    assert len(reply.token_ids) == len(reply.tokens) > 0
+    assert "open" in "".join(reply.tokens)
+
+
+def test_chat_messages_use_the_template(client: Client) -> None:
+    messages = [{"role": "user", "content": "Say hi"}]
+    chat = client.tokenize(messages=messages)
+    plain = client.tokenize("Say hi")
+    assert len(chat.token_ids) > len(plain.token_ids)
+    reply = client.generate(messages=messages, max_tokens=4, temperature=0)
+    assert reply.prompt_tokens == len(chat.token_ids)
+
+
+def test_model_info(client: Client) -> None:
+    info = client.model_info()
+    assert info.vocab_size > 0 and info.max_context > 0 and info.n_params > 0
+    assert 0 <= info.kv_blocks_free <= info.kv_blocks_total
+    assert info.architecture and info.dtype
+
+
+def test_gan_sample_is_seeded(client: Client) -> None:
+    a = client.gan_sample(2, seed=7)
+    b = client.gan_sample(2, seed=7)
+    assert len(a.images) == 2 and a.seed == 7
+    assert [i.png for i in a.images] == [i.png for i in b.images]
+    assert (a.images[0].width, a.images[0].height) == (32, 32)
+    assert client.gan_sample(1).seed >= 0
+
+
+def test_gan_interpolate_ends_at_the_two_seeds(client: Client) -> None:
+    path = client.gan_interpolate(3, 11, steps=4)
+    assert len(path.images) == 4
+    start, end = client.gan_sample(1, seed=3).images[0], client.gan_sample(1, seed=11).images[0]
+    assert np.abs(pixels(path.images[0]) - pixels(start)).max() <= 1
+    assert np.abs(pixels(path.images[-1]) - pixels(end)).max() <= 1
+
+
+def test_vae_encode_decode_equals_reconstruct(client: Client) -> None:
+    pngs = [image.png for image in client.gan_sample(2, seed=5).images]
+    encoded = client.vae_encode(pngs)
+    assert list(encoded.latents.shape) == [2, 4, 8, 8]
+    assert list(encoded.latents.values) == list(encoded.mean.values)
+    assert list(encoded.logvar.shape) == [2, 4, 8, 8] and encoded.scaling_factor > 0
+    decoded = client.vae_decode(encoded.latents.shape, encoded.latents.values)
+    reconstructed = client.vae_reconstruct(pngs)
+    for d, r in zip(decoded.images, reconstructed.images, strict=True):
+        assert np.abs(pixels(d) - pixels(r)).max() <= 1
+    sampled = client.vae_encode(pngs, sample=True, seed=3)
+    assert list(sampled.latents.values) != list(sampled.mean.values)
+    assert list(client.vae_encode(pngs, sample=True, seed=3).latents.values) == list(sampled.latents.values)
+
+
+def test_diffusion_generate_goes_through_the_vae(client: Client) -> None:
+    a = client.diffuse("a large red circle at the top left", steps=2, seed=4, num_images=2)
+    b = client.diffuse("a large red circle at the top left", steps=2, seed=4, num_images=2)
+    assert len(a.images) == 2 and a.seed == 4
+    assert (a.images[0].width, a.images[0].height) == (32, 32)
+    assert [i.png for i in a.images] == [i.png for i in b.images]
+
+
+def test_diffusion_stream_reports_every_step_then_the_images(client: Client) -> None:
+    events = list(client.diffuse_stream("a small blue square", steps=3, seed=4, preview_every=2))
+    progress = [e.progress.step for e in events if e.HasField("progress")]
+    previews = [e.preview for e in events if e.HasField("preview")]
+    assert progress == [1, 2, 3]
+    assert [p.step for p in previews] == [2] and len(previews[0].images) == 1
+    assert events[-1].HasField("result") and sum(e.HasField("result") for e in events) == 1
+    unary = client.diffuse("a small blue square", steps=3, seed=4)
+    assert events[-1].result.images[0].png == unary.images[0].png
+
+
+def test_status_lists_every_app_running(client: Client) -> None:
+    apps = {app.name: app for app in client.status().apps}
+    assert set(apps) == {"text", "gan", "vae", "diffusion", "health"}
+    assert all(app.status == "RUNNING" and app.replicas.get("RUNNING", 0) >= 1 for app in apps.values())
+
+
+def test_a_cancelled_stream_returns_its_kv_blocks(client: Client) -> None:
+    info = client.model_info()
+    stream = client.generate_stream("The with statement", max_tokens=min(1024, info.max_context - 16), seed=3)
+    next(stream)
+    assert client.model_info().kv_blocks_free < info.kv_blocks_total  # the sequence holds blocks while it runs
+    stream.close()  # cancels the call; the replica aborts the request in the engine
+    deadline = time.monotonic() + 10
+    while client.model_info().kv_blocks_free != info.kv_blocks_total and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert client.model_info().kv_blocks_free == info.kv_blocks_total

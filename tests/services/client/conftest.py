@@ -1,0 +1,57 @@
+"""An in-process gRPC server with fake TextGeneration and ImageGan servicers, recording the metadata it gets."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+import pytest
+from genserve.v1 import common_pb2, gan_pb2_grpc, text_pb2, text_pb2_grpc
+from PIL import Image
+
+
+def png() -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (32, 32), (0, 0, 255)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+class FakeText(text_pb2_grpc.TextGenerationServicer):
+    def __init__(self, seen: list) -> None:
+        self.seen = seen
+
+    def Generate(self, request, context):
+        self.seen.append((dict(context.invocation_metadata()).get("application"), request))
+        if request.HasField("temperature") and request.temperature < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "temperature: must be >= 0")
+        if request.prompt == "busy":
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded")
+        return text_pb2.TextResponse(text=request.prompt[::-1], token_ids=[1, 2], finish_reason="length")
+
+    def GenerateStream(self, request, context):
+        self.seen.append((dict(context.invocation_metadata()).get("application"), request))
+        for i, ch in enumerate(request.prompt):
+            last = i == len(request.prompt) - 1
+            yield text_pb2.TextChunk(text=ch, token_ids=[i], finish_reason="length" if last else "")
+
+
+class FakeGan(gan_pb2_grpc.ImageGanServicer):
+    def Sample(self, request, context):
+        n = request.num_images if request.HasField("num_images") else 1
+        return common_pb2.ImagesResponse(images=[common_pb2.Image(png=png(), width=32, height=32)] * n, seed=5)
+
+
+@pytest.fixture
+def fake_server() -> Iterator[tuple[str, list]]:
+    seen: list = []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    text_pb2_grpc.add_TextGenerationServicer_to_server(FakeText(seen), server)
+    gan_pb2_grpc.add_ImageGanServicer_to_server(FakeGan(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}", seen
+    finally:
+        server.stop(grace=None)

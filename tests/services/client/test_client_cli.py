@@ -1,0 +1,76 @@
+"""The `genserve` CLI against the fake server: text (unary and --stream), gan PNGs, errors and dispatch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from services.client.cli import main
+
+
+def test_text_prints_the_completion(fake_server, capsys) -> None:
+    address, seen = fake_server
+    assert main(["--address", address, "text", "hello", "--max-tokens", "5", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == "olleh\n"
+    request = seen[-1][1]
+    assert request.max_tokens == 5 and request.HasField("temperature") and request.temperature == 0
+    assert not request.HasField("top_p")
+
+
+def test_text_json(fake_server, capsys) -> None:
+    address, _ = fake_server
+    assert main(["--address", address, "text", "ab", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"text": "ba", "token_ids": [1, 2], "finish_reason": "length"}
+
+
+def test_text_stream_writes_chunks(fake_server, capsys) -> None:
+    address, _ = fake_server
+    assert main(["--address", address, "text", "hey", "--stream", "--stop", "."]) == 0
+    assert capsys.readouterr().out == "hey\n"
+
+
+def test_gan_writes_pngs(fake_server, tmp_path: Path, capsys) -> None:
+    address, _ = fake_server
+    assert main(["--address", address, "gan", "-n", "2", "-o", str(tmp_path / "out")]) == 0
+    files = sorted((tmp_path / "out").glob("*.png"))
+    assert [f.name for f in files] == ["gan-0.png", "gan-1.png"]
+    assert files[0].read_bytes().startswith(b"\x89PNG")
+
+
+def test_errors_exit_1_with_code_and_details(fake_server, capsys) -> None:
+    address, _ = fake_server
+    assert main(["--address", address, "text", "hi", "--temperature", "-1"]) == 1
+    assert capsys.readouterr().err == "genserve: INVALID_ARGUMENT: temperature: must be >= 0\n"
+
+
+def test_offline_commands_dispatch_to_their_modules(monkeypatch) -> None:
+    calls = []
+
+    class Module:
+        @staticmethod
+        def add_arguments(parser):
+            parser.add_argument("--epochs", type=int)
+
+        @staticmethod
+        def run(args):
+            calls.append(args.epochs)
+            return 0
+
+    monkeypatch.setattr("importlib.import_module", lambda name: calls.append(name) or Module)
+    assert main(["train", "gan", "--epochs", "3"]) == 0
+    assert main(["serve", "--epochs", "1"]) == 0
+    assert calls == ["services.gan.train", 3, "services.serve", 1]
+
+
+def test_unknown_arguments_are_refused(fake_server) -> None:
+    address, _ = fake_server
+    with pytest.raises(SystemExit):
+        main(["--address", address, "status", "--bogus"])
+
+
+def test_a_missing_input_file_is_a_clear_error(fake_server, tmp_path: Path, capsys) -> None:
+    address, _ = fake_server
+    assert main(["--address", address, "vae", "decode", str(tmp_path / "nope.json"), "-o", str(tmp_path)]) == 2
+    assert "nope.json" in capsys.readouterr().err

@@ -1,0 +1,79 @@
+"""The SDK against an in-process fake server: metadata, optional fields, streaming, error mapping."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from services.client import AsyncClient, Client
+from services.client import errors as client_errors
+from services.client.requests import diffusion_request, gan_sample_request, text_request
+
+
+def test_requests_leave_unset_options_unset() -> None:
+    request = text_request("hi", max_tokens=4)
+    assert request.HasField("max_tokens") and not request.HasField("temperature")
+    assert text_request("hi", temperature=0.0).HasField("temperature")
+    assert not gan_sample_request().HasField("num_images")
+    request = diffusion_request("a cat", steps=3)
+    assert request.steps == 3 and not request.HasField("guidance_scale") and not request.HasField("seed")
+
+
+def test_sync_client_sends_the_application_metadata(fake_server) -> None:
+    address, seen = fake_server
+    with Client(address, timeout=5) as client:
+        reply = client.generate("abc", max_tokens=3, stop=["x"])
+    assert reply.text == "cba" and list(reply.token_ids) == [1, 2]
+    application, request = seen[0]
+    assert application == "text" and request.max_tokens == 3 and list(request.stop) == ["x"]
+
+
+def test_sync_stream_yields_chunks_in_order(fake_server) -> None:
+    address, _ = fake_server
+    with Client(address, timeout=5) as client:
+        chunks = list(client.generate_stream("hey"))
+    assert [c.text for c in chunks] == ["h", "e", "y"]
+    assert [c.finish_reason for c in chunks] == ["", "", "length"]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "options", "error", "code"),
+    [
+        ("hi", {"temperature": -1.0}, client_errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+        ("busy", {}, client_errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ],
+)
+def test_errors_map_to_exceptions(fake_server, prompt, options, error, code) -> None:
+    address, _ = fake_server
+    with Client(address, timeout=5) as client, pytest.raises(error) as info:
+        client.generate(prompt, **options)
+    assert info.value.code == code
+    assert isinstance(info.value, client_errors.GenserveError)
+
+
+def test_unimplemented_and_unreachable(fake_server) -> None:
+    address, _ = fake_server
+    with Client(address, timeout=5) as client, pytest.raises(client_errors.GenserveError) as info:
+        client.vae_reconstruct([b"x"])
+    assert info.value.code == grpc.StatusCode.UNIMPLEMENTED
+    with Client("127.0.0.1:1", timeout=2) as client, pytest.raises(client_errors.Unavailable):
+        client.gan_sample(1)
+
+
+def test_async_client_unary_and_stream(fake_server) -> None:
+    address, seen = fake_server
+
+    async def run():
+        async with AsyncClient(address, timeout=5) as client:
+            reply = await client.generate("ab")
+            chunks = [c.text async for c in client.generate_stream("xyz")]
+            images = await client.gan_sample(3)
+            with pytest.raises(client_errors.InvalidArgument):
+                await client.generate("hi", temperature=-2.0)
+        return reply, chunks, images
+
+    reply, chunks, images = asyncio.run(run())
+    assert reply.text == "ba" and chunks == ["x", "y", "z"] and len(images.images) == 3
+    assert {application for application, _ in seen} == {"text"}

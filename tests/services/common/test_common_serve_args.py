@@ -1,0 +1,40 @@
+"""`make serve` / `genserve serve`: flags reach the deployed config; the printed usage names the right address."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from services import serve
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_defaults_are_the_documented_ports(monkeypatch) -> None:
+    for name in ("GENSERVE_GRPC_PORT", "GENSERVE_HEALTH_PORT", "GENSERVE_HTTP_PORT", "GENSERVE_METRICS_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    args = parse()
+    assert (args.grpc_port, args.health_port, args.http_port, args.metrics_port) == (9000, 9001, 8000, 8080)
+    assert "genserve text" in serve.usage(args) and "--address" not in serve.usage(args)
+
+
+def test_ports_and_model_dirs_reach_the_config(tmp_path: Path) -> None:
+    args = parse("--grpc-port", "9100", "--health-port", "9101", "--http-port", "8100", "--text-model", str(tmp_path))
+    config = serve.load_config(args)
+    apps = {app["name"]: app for app in config["applications"]}
+    assert config["grpc_options"]["port"] == 9100 and config["http_options"]["port"] == 8100
+    assert apps["health"]["args"]["port"] == 9101
+    assert apps["text"]["args"]["model_dir"] == str(tmp_path.resolve())
+    assert apps["gan"]["args"]["model_dir"] is None
+    assert "--address 127.0.0.1:9100" in serve.usage(args)
+
+
+def test_env_vars_set_the_ports(monkeypatch) -> None:
+    monkeypatch.setenv("GENSERVE_GRPC_PORT", "9200")
+    monkeypatch.setenv("GENSERVE_HEALTH_PORT", "9201")
+    args = parse()
+    assert (args.grpc_port, args.health_port) == (9200, 9201)
