@@ -1,0 +1,358 @@
+"""Turns a load run (request events + replica samples) into tables, verdicts, a plot and docs/load.md.
+
+Request events come from the locustfile's GENSERVE_LOAD_LOG: one per finished RPC (`name`), one per stream's
+first message (`name [first]`, the time to first token), and RESOURCE_EXHAUSTED answers under `name [shed]`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FIRST_SUFFIX = " [first]"
+SHED_SUFFIX = " [shed]"
+SHED_CODE = "RESOURCE_EXHAUSTED"
+# gRPC service (the first part of an RPC name) -> Ray Serve application.
+APPLICATIONS = {"TextGeneration": "text", "ImageGan": "gan", "Vae": "vae", "Diffusion": "diffusion"}
+
+
+@dataclass(frozen=True)
+class RequestEvent:
+    t: float
+    name: str
+    ms: float
+    code: str
+
+
+@dataclass(frozen=True)
+class ReplicaSample:
+    t: float
+    app: str
+    status: str
+    replicas: dict[str, int]
+
+    @property
+    def running(self) -> int:
+        return self.replicas.get("RUNNING", 0)
+
+
+@dataclass(frozen=True)
+class RpcStats:
+    name: str
+    ok: int
+    rps: float
+    p50: float
+    p95: float
+    p99: float
+    failed: int
+    shed: int
+    shed_p50: float
+    shed_p99: float
+
+
+@dataclass(frozen=True)
+class Scaling:
+    app: str
+    before: int
+    peak: int
+    after: int
+    up_at_s: float | None
+    down_at_s: float | None
+
+    @property
+    def scaled_up_and_down(self) -> bool:
+        return self.peak > self.before and self.after < self.peak
+
+
+@dataclass
+class LoadRun:
+    scenario: str
+    command: str
+    env: dict[str, str]
+    users: int
+    run_time_s: float
+    started: float
+    load_end: float
+    events: list[RequestEvent]
+    replicas: list[ReplicaSample]
+    status_errors: int = 0
+    locust_returncode: int = 0
+    replica_failures: list[str] = field(default_factory=list)
+    controller_logs_watched: int = 0
+
+    @property
+    def duration_s(self) -> float:
+        """Wall time of the locust process (its start-up and stop included)."""
+        return self.load_end - self.started
+
+    def rpc_stats(self) -> list[RpcStats]:
+        return rpc_stats(self.events, self.run_time_s)
+
+    def failures_by_code(self) -> dict[str, Counter]:
+        return failures_by_code(self.events)
+
+    def scaling(self) -> list[Scaling]:
+        return scaling(self.replicas, self.started, self.load_end)
+
+    def verdict(self) -> tuple[bool, list[str]]:
+        return verdict(self)
+
+
+def read_events(path: Path) -> list[RequestEvent]:
+    if not path.exists():
+        return []
+    return [RequestEvent(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def base_name(name: str) -> str:
+    return name.removesuffix(SHED_SUFFIX)
+
+
+def rpc_stats(events: list[RequestEvent], duration_s: float) -> list[RpcStats]:
+    """One row per RPC (and one per stream's first message); shed answers are counted apart from failures."""
+    groups: dict[str, list[RequestEvent]] = defaultdict(list)
+    for event in events:
+        groups[base_name(event.name)].append(event)
+    rows = []
+    for name in sorted(groups):
+        ok = [e.ms for e in groups[name] if e.code == "OK"]
+        shed = [e.ms for e in groups[name] if e.code == SHED_CODE]
+        failed = sum(1 for e in groups[name] if e.code not in ("OK", SHED_CODE))
+        rows.append(RpcStats(
+            name=name, ok=len(ok), rps=len(ok) / duration_s if duration_s > 0 else math.nan,
+            p50=percentile(ok, 50), p95=percentile(ok, 95), p99=percentile(ok, 99), failed=failed,
+            shed=len(shed), shed_p50=percentile(shed, 50), shed_p99=percentile(shed, 99),
+        ))
+    return rows
+
+
+def failures_by_code(events: list[RequestEvent]) -> dict[str, Counter]:
+    """status code -> Counter of RPC names, for every answer that was not OK."""
+    table: dict[str, Counter] = defaultdict(Counter)
+    for event in events:
+        if event.code != "OK":
+            table[event.code][base_name(event.name)] += 1
+    return dict(table)
+
+
+def scaling(samples: list[ReplicaSample], started: float, load_end: float) -> list[Scaling]:
+    """Per app: RUNNING replicas before the load, the peak, the count at the end, when it rose and fell back."""
+    rows = []
+    for app in sorted({s.app for s in samples}):
+        series = sorted((s for s in samples if s.app == app), key=lambda s: s.t)
+        before_samples = [s.running for s in series if s.t <= started] or [series[0].running]
+        before = before_samples[-1]
+        peak = max(s.running for s in series)
+        peak_at = next(s.t for s in series if s.running == peak)
+        up = next((s.t for s in series if s.running > before), None)
+        down = None if up is None else next((s.t for s in series if s.t > peak_at and s.running < peak), None)
+        rows.append(Scaling(
+            app=app, before=before, peak=peak, after=series[-1].running,
+            up_at_s=None if up is None else up - started, down_at_s=None if down is None else down - started,
+        ))
+    return rows
+
+
+def unhealthy_samples(samples: list[ReplicaSample]) -> list[ReplicaSample]:
+    return [s for s in samples if s.status in ("UNHEALTHY", "DEPLOY_FAILED")]
+
+
+def verdict(run: LoadRun) -> tuple[bool, list[str]]:
+    """Whether the run meets its scenario's done-when, with the reasons in words."""
+    failures = run.failures_by_code()
+    real = {code: sum(c.values()) for code, c in failures.items() if code != SHED_CODE}
+    shed = sum(failures.get(SHED_CODE, Counter()).values())
+    served = sum(1 for e in run.events if e.code == "OK" and not e.name.endswith(FIRST_SUFFIX))
+    reasons = [f"{served} requests served, {shed} shed (RESOURCE_EXHAUSTED), other failures {real or 0}"]
+    ok = served > 0 and not real and run.locust_returncode in (0, 1)
+    unhealthy = unhealthy_samples(run.replicas)
+    if unhealthy or run.replica_failures:
+        ok = False
+        reasons.append(f"replica trouble: {len(unhealthy)} unhealthy samples; {run.replica_failures}")
+    elif run.controller_logs_watched:
+        reasons.append("no replica died (no app UNHEALTHY, no crash or failed health check in the controller log)")
+    else:
+        reasons.append("no app was ever UNHEALTHY (the controller log was not available to check for deaths)")
+    if run.scenario == "mixed":
+        scaled = [s.app for s in run.scaling() if s.scaled_up_and_down]
+        ok = ok and bool(scaled)
+        reasons.append(f"scaled up under load and back down: {', '.join(scaled) or 'none'}")
+    else:
+        # Fast means refused without queueing: even the slowest 1% of refusals beat the median served request of
+        # the same RPC (absolute numbers on a saturated 2-core machine say more about the CPU than the server).
+        shed_rows = [row for row in run.rpc_stats() if row.shed]
+        fast = bool(shed_rows) and all(row.ok and row.shed_p99 < row.p50 for row in shed_rows)
+        ok = ok and fast
+        detail = "; ".join(
+            f"{row.name}: shed p50 {row.shed_p50:.0f} / p99 {row.shed_p99:.0f} ms vs served p50 {row.p50:.0f} ms"
+            for row in shed_rows
+        )
+        reasons.append(f"shed answers {'fast' if fast else 'NOT fast'}: {detail or 'nothing was shed'}")
+    return ok, reasons
+
+
+def application(name: str) -> str:
+    return APPLICATIONS.get(name.split("/", 1)[0], name)
+
+
+def timeline(run: LoadRun, bin_s: float = 2.0) -> dict[str, list[float]]:
+    """Per time bin since the start: served/s, shed/s, failed/s, p50 and p95 latency of served RPCs (ms), and
+    `p50:<app>`, the p50 of each application's served RPCs."""
+    end = max([run.load_end] + [s.t for s in run.replicas])
+    n_bins = max(1, math.ceil((end - run.started) / bin_s))
+    served: list[list[float]] = [[] for _ in range(n_bins)]
+    per_app: dict[str, list[list[float]]] = defaultdict(lambda: [[] for _ in range(n_bins)])
+    shed = [0] * n_bins
+    failed = [0] * n_bins
+    for event in run.events:
+        index = int((event.t - run.started) // bin_s)
+        if not 0 <= index < n_bins or event.name.endswith(FIRST_SUFFIX):
+            continue
+        if event.code == "OK":
+            served[index].append(event.ms)
+            per_app[application(event.name)][index].append(event.ms)
+        elif event.code == SHED_CODE:
+            shed[index] += 1
+        else:
+            failed[index] += 1
+    series = {
+        "t": [(i + 0.5) * bin_s for i in range(n_bins)],
+        "served": [len(b) / bin_s for b in served],
+        "shed": [c / bin_s for c in shed],
+        "failed": [c / bin_s for c in failed],
+        "p50": [percentile(b, 50) for b in served],
+        "p95": [percentile(b, 95) for b in served],
+    }
+    for app, bins in sorted(per_app.items()):
+        series[f"p50:{app}"] = [percentile(b, 50) for b in bins]
+    return series
+
+
+def write_plot(run: LoadRun, path: Path) -> None:
+    """Three panels over time: throughput (served/shed/failed), latency (p50 per app, p95 of all), RUNNING replicas
+    per app (thinner lines on top, so apps with the same count stay visible)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = timeline(run)
+    fig, (ax_rps, ax_lat, ax_rep) = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    ax_rps.plot(series["t"], series["served"], label="served/s")
+    ax_rps.plot(series["t"], series["shed"], label="RESOURCE_EXHAUSTED/s")
+    ax_rps.plot(series["t"], series["failed"], label="other failures/s")
+    ax_rps.set_ylabel("requests/s")
+    colors = dict(zip(sorted(APPLICATIONS.values()), ("tab:purple", "tab:orange", "tab:green", "tab:red"), strict=True))
+    ax_lat.plot(series["t"], series["p95"], color="black", linestyle=":", label="p95, all RPCs")
+    for app in sorted(APPLICATIONS.values()):
+        if f"p50:{app}" in series:
+            ax_lat.plot(series["t"], series[f"p50:{app}"], color=colors[app], label=f"p50 {app}")
+    ax_lat.set_ylabel("latency (ms)")
+    ax_lat.set_yscale("log")
+    for width, app in enumerate(sorted({s.app for s in run.replicas})):
+        points = sorted((s.t - run.started, s.running) for s in run.replicas if s.app == app)
+        ax_rep.step([p[0] for p in points], [p[1] for p in points], where="post", label=app, color=colors.get(app),
+                    linewidth=5 - width)
+    ax_rep.set_ylabel("RUNNING replicas")
+    ax_rep.set_xlabel("seconds since the load started")
+    ax_rep.yaxis.get_major_locator().set_params(integer=True)
+    for ax in (ax_rps, ax_lat, ax_rep):
+        ax.axvspan(0, run.duration_s, color="0.92", zorder=0)
+        ax.legend(loc="upper right", fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"genserve load, scenario {run.scenario} ({run.users} users; shaded: load on)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _ms(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.0f}"
+
+
+def render_run(run: LoadRun, image_dir: Path) -> list[str]:
+    ok, reasons = run.verdict()
+    env = " ".join(f"{k}={v}" for k, v in sorted(run.env.items()))
+    lines = [
+        f"## Scenario `{run.scenario}`: {'PASS' if ok else 'FAIL'}",
+        "",
+        *[f"- {reason}" for reason in reasons],
+        "",
+        "Locust command (the runner sets these environment variables):",
+        "",
+        "```",
+        f"{env} \\",
+        f"  {run.command}",
+        "```",
+        "",
+        f"Load for {run.run_time_s:.0f} s with {run.users} users (RPS = served / that time). Latencies are "
+        "client-side, in ms, over served requests; `[first]` rows are the first message of a stream (time to first "
+        "token for text). Shed answers (RESOURCE_EXHAUSTED) are counted apart, with their own latency.",
+        "",
+        "| RPC | served | RPS | p50 | p95 | p99 | failed | shed | shed p50 | shed p99 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in run.rpc_stats():
+        lines.append(
+            f"| {row.name} | {row.ok} | {row.rps:.2f} | {_ms(row.p50)} | {_ms(row.p95)} | {_ms(row.p99)} "
+            f"| {row.failed} | {row.shed} | {_ms(row.shed_p50)} | {_ms(row.shed_p99)} |"
+        )
+    lines += ["", "Answers other than OK, by gRPC status code:", ""]
+    failures = run.failures_by_code()
+    if failures:
+        lines += ["| code | count | RPCs |", "|---|---:|---|"]
+        for code, names in sorted(failures.items()):
+            detail = ", ".join(f"{name} {count}" for name, count in names.most_common())
+            lines.append(f"| {code} | {sum(names.values())} | {detail} |")
+    else:
+        lines.append("none.")
+    lines += [
+        "",
+        "RUNNING replicas per application (sampled every second through the `health` app's GetStatus):",
+        "",
+        "| app | before | peak | at the end | first scale-up (s) | back down (s) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in run.scaling():
+        up = "-" if row.up_at_s is None else f"{row.up_at_s:.0f}"
+        down = "-" if row.down_at_s is None else f"{row.down_at_s:.0f}"
+        lines.append(f"| {row.app} | {row.before} | {row.peak} | {row.after} | {up} | {down} |")
+    lines += ["", f"![scenario {run.scenario}]({image_dir / f'load_{run.scenario}.png'})", ""]
+    return lines
+
+
+def render_markdown(runs: list[LoadRun], invocation: str, image_dir: Path, models: dict[str, str]) -> str:
+    """The page; `models` maps each app to the checkpoint it served (a GENSERVE_<APP>_MODEL or the demo weights)."""
+    lines = [
+        "# Load test",
+        "",
+        f"Written by `{invocation}` (tests/load/run.py; the users are in tests/load/locustfile.py). It starts the",
+        "local CPU stack (`python -m services.serve`, deploy/serve_config.local.yaml) on port 9200 unless given",
+        "`--target`, runs each scenario headless under `timeout -k`, samples every app's replicas, and writes this",
+        "page and its plots. Machine: the 2-core, 24 GiB CPU box the project is developed on, shared with other work,",
+        "so absolute numbers are low; what matters is the shape: no failures, scaling up and down, fast shedding.",
+        "",
+        "A shed request never reaches a replica: the proxy answers RESOURCE_EXHAUSTED as soon as the deployment's",
+        "queue (`max_queued_requests`) is full. Under overload the proxy, the replicas and locust itself share the two",
+        "cores, so a refusal still waits for a core; the check is therefore relative: refusals must come back faster",
+        "than the median served request of the same RPC (they did not queue), and nothing may time out or fail.",
+        "",
+        "Checkpoints served: " + ", ".join(f"{app} {source}" for app, source in models.items()) + ".",
+        "",
+    ]
+    for run in runs:
+        lines += render_run(run, image_dir)
+    return "\n".join(lines)
