@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -93,6 +95,18 @@ def test_auto_uses_torch_for_cpu_tensors() -> None:
     q = torch.randn(1, 2, 3, 8)
     assert auto._pick(q).name == "torch"
     assert torch.allclose(auto.attend(q, q, q, causal=True), get_backend("torch").attend(q, q, q, causal=True))
+
+
+def test_auto_takes_torch_on_cuda_when_a_gradient_is_needed() -> None:
+    """The kernels are forward-only: training on a GPU must keep autograd (checked with stand-in CUDA tensors)."""
+    auto = AutoBackend()
+    if auto._triton is None:
+        pytest.skip("triton is not installed")
+    needs_grad = SimpleNamespace(is_cuda=True, requires_grad=True)
+    assert auto._pick(needs_grad).name == "torch"
+    with torch.no_grad():
+        assert auto._pick(needs_grad).name == "triton"
+    assert auto._pick(SimpleNamespace(is_cuda=True, requires_grad=False)).name == "triton"
 
 
 def test_triton_backend_agrees_with_reference() -> None:
