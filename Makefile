@@ -4,6 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # The CPU wheel on this kind of machine; GPU images install their own torch (deploy/Dockerfile).
 TORCH_SPEC ?= torch==2.13.0
+# Where such a machine keeps that wheel; without it pip would fetch a multi-GB CUDA build from PyPI.
+WHEELS := $(wildcard /opt/wheels)
 STAMP := $(VENV)/.installed
 
 export RAY_USAGE_STATS_ENABLED := 0
@@ -17,7 +19,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=24"
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q $(if $(WHEELS),--find-links $(WHEELS)) "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev,load]"
 	touch $(STAMP)
 
