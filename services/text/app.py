@@ -154,7 +154,7 @@ class TextGeneration:
                     first = False
                 self.metrics.tokens(len(delta.token_ids))
                 yield delta
-        self.metrics.kv_free_blocks(self.engine.info()["kv_blocks_free"])
+        self.metrics.kv_free_blocks(self.engine.kv_blocks_free)
 
     @unary(text_pb2.TextRequest, text_pb2.TextResponse)
     async def Generate(self, request: text_pb2.TextRequest) -> text_pb2.TextResponse:

@@ -44,6 +44,11 @@ class AsyncLLMEngine:
     def max_context(self) -> int:
         return self.engine.max_context
 
+    @property
+    def kv_blocks_free(self) -> int:
+        """Free KV-cache blocks now: the cheap gauge, without the parameter count that `info()` adds."""
+        return self.engine.kv_blocks_free
+
     def info(self) -> dict:
         cfg = self.engine.model.config
         return {
@@ -54,7 +59,7 @@ class AsyncLLMEngine:
             "max_context": self.max_context,
             "dtype": cfg.dtype,
             "kv_blocks_total": self.engine.cache.manager.num_blocks,
-            "kv_blocks_free": self.engine.kv_blocks_free,
+            "kv_blocks_free": self.kv_blocks_free,
         }
 
     # ---- the worker thread ----------------------------------------------------------------------------------
