@@ -8,20 +8,15 @@ from typing import Any
 import grpc
 from genserve.v1 import (
     common_pb2,
-    common_pb2_grpc,
     diffusion_pb2,
-    diffusion_pb2_grpc,
-    gan_pb2_grpc,
     text_pb2,
-    text_pb2_grpc,
     vae_pb2,
-    vae_pb2_grpc,
 )
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from . import requests
 from .errors import from_rpc_error
-from .sync import CHANNEL_OPTIONS, DEFAULT_ADDRESS, metadata
+from .sync import CHANNEL_OPTIONS, DEFAULT_ADDRESS, Stubs, metadata
 
 
 class AsyncClient:
@@ -31,12 +26,7 @@ class AsyncClient:
         self.address = address
         self.timeout = timeout
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._text = text_pb2_grpc.TextGenerationStub(self._channel)
-        self._gan = gan_pb2_grpc.ImageGanStub(self._channel)
-        self._vae = vae_pb2_grpc.VaeStub(self._channel)
-        self._diffusion = diffusion_pb2_grpc.DiffusionStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._status = common_pb2_grpc.ServeStatusStub(self._channel)
+        self._stubs = Stubs.on(self._channel)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -65,48 +55,48 @@ class AsyncClient:
 
     # text
     async def generate(self, prompt: str = "", **options: Any) -> text_pb2.TextResponse:
-        return await self._unary(self._text.Generate, "text", requests.text_request(prompt, **options))
+        return await self._unary(self._stubs.text.Generate, "text", requests.text_request(prompt, **options))
 
     def generate_stream(self, prompt: str = "", **options: Any) -> AsyncIterator[text_pb2.TextChunk]:
-        return self._stream(self._text.GenerateStream, "text", requests.text_request(prompt, **options))
+        return self._stream(self._stubs.text.GenerateStream, "text", requests.text_request(prompt, **options))
 
     async def tokenize(self, text: str = "", *, messages: Sequence[dict[str, str]] = ()) -> text_pb2.TokenizeResponse:
-        return await self._unary(self._text.Tokenize, "text", requests.tokenize_request(text, messages=messages))
+        return await self._unary(self._stubs.text.Tokenize, "text", requests.tokenize_request(text, messages=messages))
 
     async def model_info(self) -> text_pb2.ModelInfo:
-        return await self._unary(self._text.GetModelInfo, "text", text_pb2.ModelInfoRequest())
+        return await self._unary(self._stubs.text.GetModelInfo, "text", text_pb2.ModelInfoRequest())
 
     # gan
     async def gan_sample(self, num_images: int | None = None, **options: Any) -> common_pb2.ImagesResponse:
-        return await self._unary(self._gan.Sample, "gan", requests.gan_sample_request(num_images, **options))
+        return await self._unary(self._stubs.gan.Sample, "gan", requests.gan_sample_request(num_images, **options))
 
     async def gan_interpolate(self, seed_start: int, seed_end: int, **options: Any) -> common_pb2.ImagesResponse:
         request = requests.gan_interpolate_request(seed_start, seed_end, **options)
-        return await self._unary(self._gan.Interpolate, "gan", request)
+        return await self._unary(self._stubs.gan.Interpolate, "gan", request)
 
     # vae
     async def vae_encode(self, pngs: Iterable[bytes], **options: Any) -> vae_pb2.EncodeResponse:
-        return await self._unary(self._vae.Encode, "vae", requests.encode_request(pngs, **options))
+        return await self._unary(self._stubs.vae.Encode, "vae", requests.encode_request(pngs, **options))
 
     async def vae_decode(self, shape: Sequence[int], values: Iterable[float]) -> common_pb2.ImagesResponse:
-        return await self._unary(self._vae.Decode, "vae", requests.decode_request(shape, values))
+        return await self._unary(self._stubs.vae.Decode, "vae", requests.decode_request(shape, values))
 
     async def vae_reconstruct(self, pngs: Iterable[bytes]) -> common_pb2.ImagesResponse:
-        return await self._unary(self._vae.Reconstruct, "vae", requests.reconstruct_request(pngs))
+        return await self._unary(self._stubs.vae.Reconstruct, "vae", requests.reconstruct_request(pngs))
 
     # diffusion
     async def diffuse(self, prompt: str, **options: Any) -> common_pb2.ImagesResponse:
         request = requests.diffusion_request(prompt, **options)
-        return await self._unary(self._diffusion.Generate, "diffusion", request)
+        return await self._unary(self._stubs.diffusion.Generate, "diffusion", request)
 
     def diffuse_stream(self, prompt: str, **options: Any) -> AsyncIterator[diffusion_pb2.DiffusionEvent]:
         request = requests.diffusion_request(prompt, **options)
-        return self._stream(self._diffusion.GenerateStream, "diffusion", request)
+        return self._stream(self._stubs.diffusion.GenerateStream, "diffusion", request)
 
     # operations
     async def health(self, service: str = "", *, application: str = "health") -> int:
         request = health_pb2.HealthCheckRequest(service=service)
-        return (await self._unary(self._health.Check, application, request)).status
+        return (await self._unary(self._stubs.health.Check, application, request)).status
 
     async def status(self) -> common_pb2.StatusResponse:
-        return await self._unary(self._status.GetStatus, "health", common_pb2.StatusRequest())
+        return await self._unary(self._stubs.status.GetStatus, "health", common_pb2.StatusRequest())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -28,6 +29,26 @@ DEFAULT_ADDRESS = os.environ.get("GENSERVE_ADDRESS", "127.0.0.1:9000")
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 
+@dataclass(frozen=True)
+class Stubs:
+    """One stub per service on a channel; the same for a blocking and a grpc.aio channel."""
+
+    text: text_pb2_grpc.TextGenerationStub
+    gan: gan_pb2_grpc.ImageGanStub
+    vae: vae_pb2_grpc.VaeStub
+    diffusion: diffusion_pb2_grpc.DiffusionStub
+    health: health_pb2_grpc.HealthStub
+    status: common_pb2_grpc.ServeStatusStub
+
+    @classmethod
+    def on(cls, channel: grpc.Channel | grpc.aio.Channel) -> Stubs:
+        return cls(
+            text_pb2_grpc.TextGenerationStub(channel), gan_pb2_grpc.ImageGanStub(channel),
+            vae_pb2_grpc.VaeStub(channel), diffusion_pb2_grpc.DiffusionStub(channel),
+            health_pb2_grpc.HealthStub(channel), common_pb2_grpc.ServeStatusStub(channel),
+        )
+
+
 def metadata(application: str) -> tuple[tuple[str, str], ...]:
     return (("application", application),)
 
@@ -39,12 +60,7 @@ class Client:
         self.address = address
         self.timeout = timeout
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._text = text_pb2_grpc.TextGenerationStub(self._channel)
-        self._gan = gan_pb2_grpc.ImageGanStub(self._channel)
-        self._vae = vae_pb2_grpc.VaeStub(self._channel)
-        self._diffusion = diffusion_pb2_grpc.DiffusionStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._status = common_pb2_grpc.ServeStatusStub(self._channel)
+        self._stubs = Stubs.on(self._channel)
 
     def close(self) -> None:
         self._channel.close()
@@ -72,48 +88,48 @@ class Client:
 
     # text
     def generate(self, prompt: str = "", **options: Any) -> text_pb2.TextResponse:
-        return self._unary(self._text.Generate, "text", requests.text_request(prompt, **options))
+        return self._unary(self._stubs.text.Generate, "text", requests.text_request(prompt, **options))
 
     def generate_stream(self, prompt: str = "", **options: Any) -> Iterator[text_pb2.TextChunk]:
-        return self._stream(self._text.GenerateStream, "text", requests.text_request(prompt, **options))
+        return self._stream(self._stubs.text.GenerateStream, "text", requests.text_request(prompt, **options))
 
     def tokenize(self, text: str = "", *, messages: Sequence[dict[str, str]] = ()) -> text_pb2.TokenizeResponse:
-        return self._unary(self._text.Tokenize, "text", requests.tokenize_request(text, messages=messages))
+        return self._unary(self._stubs.text.Tokenize, "text", requests.tokenize_request(text, messages=messages))
 
     def model_info(self) -> text_pb2.ModelInfo:
-        return self._unary(self._text.GetModelInfo, "text", text_pb2.ModelInfoRequest())
+        return self._unary(self._stubs.text.GetModelInfo, "text", text_pb2.ModelInfoRequest())
 
     # gan
     def gan_sample(self, num_images: int | None = None, **options: Any) -> common_pb2.ImagesResponse:
-        return self._unary(self._gan.Sample, "gan", requests.gan_sample_request(num_images, **options))
+        return self._unary(self._stubs.gan.Sample, "gan", requests.gan_sample_request(num_images, **options))
 
     def gan_interpolate(self, seed_start: int, seed_end: int, **options: Any) -> common_pb2.ImagesResponse:
         request = requests.gan_interpolate_request(seed_start, seed_end, **options)
-        return self._unary(self._gan.Interpolate, "gan", request)
+        return self._unary(self._stubs.gan.Interpolate, "gan", request)
 
     # vae
     def vae_encode(self, pngs: Iterable[bytes], **options: Any) -> vae_pb2.EncodeResponse:
-        return self._unary(self._vae.Encode, "vae", requests.encode_request(pngs, **options))
+        return self._unary(self._stubs.vae.Encode, "vae", requests.encode_request(pngs, **options))
 
     def vae_decode(self, shape: Sequence[int], values: Iterable[float]) -> common_pb2.ImagesResponse:
-        return self._unary(self._vae.Decode, "vae", requests.decode_request(shape, values))
+        return self._unary(self._stubs.vae.Decode, "vae", requests.decode_request(shape, values))
 
     def vae_reconstruct(self, pngs: Iterable[bytes]) -> common_pb2.ImagesResponse:
-        return self._unary(self._vae.Reconstruct, "vae", requests.reconstruct_request(pngs))
+        return self._unary(self._stubs.vae.Reconstruct, "vae", requests.reconstruct_request(pngs))
 
     # diffusion
     def diffuse(self, prompt: str, **options: Any) -> common_pb2.ImagesResponse:
-        return self._unary(self._diffusion.Generate, "diffusion", requests.diffusion_request(prompt, **options))
+        return self._unary(self._stubs.diffusion.Generate, "diffusion", requests.diffusion_request(prompt, **options))
 
     def diffuse_stream(self, prompt: str, **options: Any) -> Iterator[diffusion_pb2.DiffusionEvent]:
         request = requests.diffusion_request(prompt, **options)
-        return self._stream(self._diffusion.GenerateStream, "diffusion", request)
+        return self._stream(self._stubs.diffusion.GenerateStream, "diffusion", request)
 
     # operations
     def health(self, service: str = "", *, application: str = "health") -> int:
         """grpc.health.v1 status (SERVING = 1, NOT_SERVING = 2) of `service` as `application` answers it."""
         request = health_pb2.HealthCheckRequest(service=service)
-        return self._unary(self._health.Check, application, request).status
+        return self._unary(self._stubs.health.Check, application, request).status
 
     def status(self) -> common_pb2.StatusResponse:
-        return self._unary(self._status.GetStatus, "health", common_pb2.StatusRequest())
+        return self._unary(self._stubs.status.GetStatus, "health", common_pb2.StatusRequest())
