@@ -19,6 +19,7 @@ from services.text.quantize import Int8Linear
 from shared.blocks.attention import MultiHeadAttention
 from shared.blocks.backend import Backend, get_backend
 from shared.blocks.ffn import SwiGLU
+from shared.blocks.linear import Linear
 from shared.blocks.masks import causal_mask
 from shared.blocks.norms import RMSNorm
 from shared.blocks.rope import RoPE, RopeScaling
@@ -44,7 +45,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = MultiHeadAttention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, bias=cfg.qkv_bias,
                                             gated=cfg.gated_attention, backend=backend)
         self.post_attention_layernorm = None if cfg.parallel_block else RMSNorm(cfg.dim, cfg.norm_eps, backend)
-        self.mlp = _ffn(cfg)
+        self.mlp = _ffn(cfg, backend)
 
     def forward(self, x: torch.Tensor, attend) -> torch.Tensor:
         """``attend(self_attn, h) -> attention output`` supplies the attention for either forward path."""
@@ -55,12 +56,12 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def _ffn(cfg: LlamaConfig) -> nn.Module:
+def _ffn(cfg: LlamaConfig, backend: Backend) -> nn.Module:
     if cfg.n_experts:
         from shared.blocks.moe import MoE
 
         return MoE(cfg.dim, n_experts=cfg.n_experts, top_k=cfg.n_experts_per_token, hidden_dim=cfg.ffn_hidden)
-    return SwiGLU(cfg.dim, cfg.ffn_hidden)
+    return SwiGLU(cfg.dim, cfg.ffn_hidden, backend=backend)
 
 
 class Backbone(nn.Module):
@@ -85,7 +86,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.backend = backend or get_backend()
         self.model = Backbone(cfg, self.backend)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.dim, cfg.vocab_size, bias=False, backend=self.backend)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = make_rope(cfg)
@@ -118,21 +119,23 @@ class LlamaForCausalLM(nn.Module):
         """Compute every token of ``batch``, writing its K/V into the caches (one per layer, paged layout);
         returns next-token logits (S, V) for the tokens in ``batch.logits_index``."""
         batch = batch.to(self.model.embed_tokens.weight.device)
+        cos, sin = self.rope.tables()
+        rope = cos[batch.positions], sin[batch.positions]  # (N, D/2): one row per token, gathered once per step
         x = self.model.embed_tokens(batch.input_ids)  # (N, dim)
         for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches, strict=True):
-            x = layer(x, lambda attn, h, kc=k_cache, vc=v_cache: self._paged_attention(attn, h, batch, kc, vc))
+            x = layer(x, lambda attn, h, kc=k_cache, vc=v_cache: self._paged_attention(attn, h, batch, rope, kc, vc))
         x = x[batch.logits_index]  # (S, dim): the LM head only where a token is sampled
         return self.lm_head(self.model.norm(x))
 
     def _paged_attention(self, attn: MultiHeadAttention, h: torch.Tensor, batch: PagedBatch,
-                         k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+                         rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor
+                         ) -> torch.Tensor:
         n = h.shape[0]
         hq, hkv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
         q = attn.q_proj(h).view(n, hq, d).transpose(0, 1)[None]  # (1, Hq, N, D)
         k = attn.k_proj(h).view(n, hkv, d).transpose(0, 1)[None]  # (1, Hkv, N, D)
         v = attn.v_proj(h).view(n, hkv, d).transpose(0, 1)[None]
-        cos, sin = self.rope.tables()
-        q, k = attn.backend.apply_rope(q, k, cos, sin, batch.positions, interleaved=attn.rope_interleaved)
+        q, k = attn.backend.apply_rope(q, k, *rope, None, interleaved=attn.rope_interleaved)
         k_cache.view(-1, hkv, d).index_copy_(0, batch.slots, k[0].transpose(0, 1))  # (N, Hkv, D) into slots
         v_cache.view(-1, hkv, d).index_copy_(0, batch.slots, v[0].transpose(0, 1))
         out = torch.empty_like(q)  # (1, Hq, N, D)

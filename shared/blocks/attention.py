@@ -15,6 +15,7 @@ from torch import nn
 
 from shared.blocks.backend import Backend, get_backend
 from shared.blocks.kv_cache import KVCache
+from shared.blocks.linear import Linear
 from shared.blocks.masks import causal_mask
 from shared.blocks.sdpa import scaled_dot_product_attention
 
@@ -52,12 +53,12 @@ class MultiHeadAttention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.rope_interleaved = rope_interleaved
         self.sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
-        self.q_proj = nn.Linear(dim, n_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=out_bias)
-        self.gate_proj = nn.Linear(dim, n_heads * head_dim, bias=False) if gated else None
-        self.backend = backend or get_backend()
+        self.backend = backend = backend or get_backend()
+        self.q_proj = Linear(dim, n_heads * head_dim, bias=bias, backend=backend)
+        self.k_proj = Linear(dim, n_kv_heads * head_dim, bias=bias, backend=backend)
+        self.v_proj = Linear(dim, n_kv_heads * head_dim, bias=bias, backend=backend)
+        self.o_proj = Linear(n_heads * head_dim, dim, bias=out_bias, backend=backend)
+        self.gate_proj = Linear(dim, n_heads * head_dim, bias=False, backend=backend) if gated else None
 
     def forward(
         self,

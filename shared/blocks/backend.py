@@ -1,7 +1,7 @@
 """The single dispatch point between the building blocks and the compute that runs them.
 
 `get_backend(name=None)` returns a backend object; the name comes from the `GENSERVE_BACKEND` environment variable
-when not given: "auto" (default), "reference", "torch" or "triton". Every backend has the same four methods (the
+when not given: "auto" (default), "reference", "torch" or "triton". Every backend has the same five methods (the
 contract in docs/architecture.md):
 
 - attend(q, k, v, *, causal, sm_scale=None): q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D), Hq % Hkv == 0 (GQA read
@@ -9,11 +9,15 @@ contract in docs/architecture.md):
 - paged_decode(q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None): q (B, Hq, D), caches
   (num_blocks, block_size, Hkv, D), block_tables int32 (B, max_blocks), context_lens int32 (B,) -> (B, Hq, D);
 - rms_norm(x, weight, eps, residual=None): y, or (y, x + residual) with the norm taken of x + residual;
-- apply_rope(q, k, cos, sin, positions, *, interleaved=False): (q, k) rotated; cos/sin are (P, D/2) tables.
+- apply_rope(q, k, cos, sin, positions, *, interleaved=False): (q, k) rotated; cos/sin are (P, D/2) tables;
+- linear(x, weight, bias=None): y = x W^T + b, weight (N, K) as in nn.Linear.
 
 "reference" is the written-out math of the seed, "torch" uses fused torch ops (SDPA), "triton" calls the kernels
 package, and "auto" picks triton for CUDA tensors when triton is importable and no gradient is needed (the kernels
-are forward-only), and torch otherwise. Modules hold a backend and never branch on devices themselves.
+are forward-only), and torch otherwise. On the CPU, "torch" runs the decode step's hot spots on the C kernels of
+the kernels package (kernels/cpu_gemv.py, kernels/cpu_paged_decode.py): matrix-vector products that stream weights
+at close to memory bandwidth where MKL does not, and paged attention in one call instead of a dozen tensor ops.
+Modules hold a backend and never branch on devices themselves.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from shared.blocks.sdpa import scaled_dot_product_attention
 
 BACKEND_NAMES = ("auto", "reference", "torch", "triton")
 ENV_VAR = "GENSERVE_BACKEND"
+_GEMV_MAX_ROWS = 8  # kernels.cpu_gemv.MAX_ROWS, repeated so that larger products never import the kernels package
 
 
 def _gather_paged(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -38,6 +43,10 @@ def _gather_paged(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
     blocks = cache[tables]  # (B, M, bs, Hkv, D)
     b, m, bs, h, d = blocks.shape
     return blocks.reshape(b, m * bs, h, d).transpose(1, 2)
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 class ReferenceBackend:
@@ -72,6 +81,9 @@ class ReferenceBackend:
     def apply_rope(self, q, k, cos, sin, positions, *, interleaved: bool = False):
         return _rope.apply_rope(q, k, cos, sin, positions, interleaved)
 
+    def linear(self, x, weight, bias=None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
 
 class TorchBackend(ReferenceBackend):
     """Fused torch ops: F.scaled_dot_product_attention with native GQA, F.rms_norm."""
@@ -90,6 +102,12 @@ class TorchBackend(ReferenceBackend):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=sm_scale, enable_gqa=gqa)
 
     def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None) -> torch.Tensor:
+        if q.device.type == "cpu" and not _needs_grad(q):
+            from kernels import cpu_paged_decode
+
+            if cpu_paged_decode.supports(q, k_cache, v_cache):
+                return cpu_paged_decode.paged_decode(q, k_cache, v_cache, block_tables, context_lens,
+                                                     sm_scale=sm_scale)
         k = _gather_paged(k_cache, block_tables)  # (B, Hkv, M*bs, D)
         v = _gather_paged(v_cache, block_tables)
         keep = torch.arange(k.shape[2], device=q.device)[None, :] < context_lens.to(q.device).long()[:, None]
@@ -103,6 +121,15 @@ class TorchBackend(ReferenceBackend):
             x = x + residual
         y = weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
         return y if residual is None else (y, x)
+
+    def linear(self, x, weight, bias=None) -> torch.Tensor:
+        few_rows = x.device.type == "cpu" and x.numel() <= _GEMV_MAX_ROWS * x.shape[-1]
+        if few_rows and not _needs_grad(x, weight, bias):
+            from kernels import cpu_gemv  # imported on the first decode-sized call only
+
+            if cpu_gemv.supports(x, weight):
+                return cpu_gemv.gemv(x, weight, bias)
+        return F.linear(x, weight, bias)
 
 
 class TritonBackend:
@@ -133,6 +160,9 @@ class TritonBackend:
     def apply_rope(self, q, k, cos, sin, positions, *, interleaved: bool = False):
         return self.kernels.apply_rope(q, k, cos, sin, positions, interleaved=interleaved)
 
+    def linear(self, x, weight, bias=None) -> torch.Tensor:
+        return F.linear(x, weight, bias)  # cuBLAS
+
 
 class AutoBackend:
     """Triton for CUDA tensors when triton is importable, torch otherwise; decided per call from the first input."""
@@ -145,8 +175,7 @@ class AutoBackend:
 
     def _pick(self, t: torch.Tensor):
         # The kernels are forward-only: training on a GPU must keep autograd, so it takes the torch path.
-        needs_grad = torch.is_grad_enabled() and t.requires_grad
-        return self._triton if self._triton is not None and t.is_cuda and not needs_grad else self._torch
+        return self._triton if self._triton is not None and t.is_cuda and not _needs_grad(t) else self._torch
 
     def attend(self, q, k, v, *, causal: bool, sm_scale: float | None = None) -> torch.Tensor:
         return self._pick(q).attend(q, k, v, causal=causal, sm_scale=sm_scale)
@@ -159,6 +188,9 @@ class AutoBackend:
 
     def apply_rope(self, q, k, cos, sin, positions, *, interleaved: bool = False):
         return self._pick(q).apply_rope(q, k, cos, sin, positions, interleaved=interleaved)
+
+    def linear(self, x, weight, bias=None) -> torch.Tensor:
+        return self._pick(x).linear(x, weight, bias)
 
 
 Backend = ReferenceBackend | TorchBackend | TritonBackend | AutoBackend

@@ -8,6 +8,8 @@ import torch
 from torch import nn
 
 from shared.blocks.activations import activation
+from shared.blocks.backend import Backend
+from shared.blocks.linear import Linear
 
 
 class MLP(nn.Module):
@@ -60,12 +62,13 @@ class SwiGLU(nn.Module):
     Names follow HF Llama so checkpoints map 1:1: W_1 = `gate_proj`, V = `up_proj`, W_2 = `down_proj`.
     """
 
-    def __init__(self, dim: int, hidden_dim: int | None = None, bias: bool = False) -> None:
+    def __init__(self, dim: int, hidden_dim: int | None = None, bias: bool = False, backend: Backend | None = None
+                 ) -> None:
         super().__init__()
         hidden_dim = hidden_dim or swiglu_hidden_dim(dim)
-        self.gate_proj = nn.Linear(dim, hidden_dim, bias=bias)
-        self.up_proj = nn.Linear(dim, hidden_dim, bias=bias)
-        self.down_proj = nn.Linear(hidden_dim, dim, bias=bias)
+        self.gate_proj = Linear(dim, hidden_dim, bias=bias, backend=backend)
+        self.up_proj = Linear(dim, hidden_dim, bias=bias, backend=backend)
+        self.down_proj = Linear(hidden_dim, dim, bias=bias, backend=backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))

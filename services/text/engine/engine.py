@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.text.cpu_decode import CpuDecoder
 from services.text.engine.batch import build_batch
 from services.text.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from services.text.engine.kv_cache import PagedKVCache, blocks_for_budget
@@ -61,6 +62,7 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self.lock = threading.Lock()
+        self.cpu_decoder = CpuDecoder.for_model(model)  # decode-only steps on the CPU: one kernel call per layer
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -132,7 +134,9 @@ class LLMEngine:
         if not chunks:
             return 0
         # Sampling runs on the CPU with each request's own generator.
-        logits = self.model.forward_paged(batch, self.cache.k, self.cache.v).float().cpu()  # (S, V)
+        fused = self.cpu_decoder is not None and not batch.prefills and batch.n_decode <= CpuDecoder.max_tokens
+        forward = self.cpu_decoder if fused else self.model.forward_paged
+        logits = forward(batch, self.cache.k, self.cache.v).float().cpu()  # (S, V)
         deltas: list[tuple[Sequence, Delta]] = []
         with self.lock:
             row = 0

@@ -70,3 +70,29 @@ def test_greedy_generation_matches_transformers_alone_and_in_a_batch(checkpoint)
     assert results[0][1] == expected
     assert [len(r[1]) for r in results] == [p.max_tokens for p in params]
     assert engine.kv_blocks_free == engine.cache.manager.num_blocks
+
+
+def test_fused_cpu_decode_steps_match_forward_paged(checkpoint):
+    """The engine's fused CPU decode kernel (one call per layer) against the module path on the same batches,
+    mixed context lengths in one batch, Mistral's window crossed, Qwen2's q/k/v biases."""
+    from kernels import cpu_decode_layer
+
+    if not cpu_decode_layer.available():
+        pytest.skip("no working C compiler: the engine runs forward_paged only")
+    arch, _, directory = checkpoint
+    engine = make_engine(directory, block_size=4)
+    fused = engine.cpu_decoder
+    assert fused is not None
+    diffs: list[float] = []
+
+    def both(batch, k_caches, v_caches):
+        reference = engine.model.forward_paged(batch, k_caches, v_caches)
+        out = fused(batch, k_caches, v_caches)  # rewrites the same K/V slots
+        diffs.append(float((out - reference).abs().max()))
+        return out
+
+    engine.cpu_decoder = both
+    prompts = [list(range(1, 20)), list(range(40, 45)), list(range(100, 131))]
+    engine.generate_batch(prompts, SamplingParams(max_tokens=24, temperature=0))
+    assert len(diffs) >= 20
+    assert max(diffs) <= LOGITS_ATOL

@@ -1,6 +1,6 @@
 """Kernel benchmark: Triton kernels vs torch on one CUDA GPU, printed (and optionally written) as markdown tables.
 
-    python -m bench.kernels [--out docs/kernel-bench.md] [--quick]
+    python -m bench.gpu_kernels [--out docs/kernel-bench.md] [--quick]
 
 - flash_attention: TFLOP/s, bf16, N in {512 .. 16k}, D in {64, 128}, causal and not, vs torch SDPA's flash and
   cuDNN backends (ratio to the faster of the two). 16k tokens per batch, Hq = Hkv = 2048 / D (FlashAttention-2's
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a subset of the sizes (about a minute)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench/kernels.py needs a CUDA GPU and none is visible here (torch.cuda.is_available() is False); "
+        print("bench/gpu_kernels.py needs a CUDA GPU and none is visible here (torch.cuda.is_available() is False); "
               "nothing was measured.")
         return 0
 
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     for section in (bench_attention(args.quick), bench_decode(args.quick, copy_gbps), bench_elementwise(args.quick)):
         print(section, flush=True)
         sections.append(section)
-    footer = f"_{math.ceil(time.time() - start)} s; `python -m bench.kernels{' --quick' if args.quick else ''}`._\n"
+    footer = f"_{math.ceil(time.time() - start)} s; `python -m bench.gpu_kernels{' --quick' if args.quick else ''}`._\n"
     print(footer)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,68 @@
+"""The C kernels for CPU decoding (kernels/csrc) against torch on the same inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_gemv, cpu_paged_decode
+from kernels._cpu_library import library
+from shared.blocks.backend import ReferenceBackend, TorchBackend
+
+pytestmark = pytest.mark.skipif(library() is None, reason="no working C compiler on this machine")
+CPU = torch.device("cpu")
+
+
+def _randn(*shape, gen, dtype=torch.float32):
+    return torch.randn(*shape, generator=gen, device=CPU).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("k", [64, 37])
+def test_gemv_matches_linear(dtype, rows, k):
+    gen = torch.Generator().manual_seed(rows * 100 + k)
+    x, w, b = _randn(rows, k, gen=gen), _randn(48, k, gen=gen, dtype=dtype), _randn(48, gen=gen)
+    assert cpu_gemv.supports(x, w)
+    torch.testing.assert_close(cpu_gemv.gemv(x, w, b), F.linear(x, w.float(), b), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(cpu_gemv.gemv(x[:, None], w), F.linear(x[:, None], w.float()), atol=1e-4, rtol=1e-5)
+
+
+def test_gemv_refuses_more_rows_than_it_tiles():
+    gen = torch.Generator().manual_seed(0)
+    x, w = _randn(cpu_gemv.MAX_ROWS + 1, 16, gen=gen), _randn(8, 16, gen=gen)
+    assert not cpu_gemv.supports(x, w)
+    with pytest.raises(ValueError, match="rows"):
+        cpu_gemv.gemv(x, w)
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_gemv.gemv(x[:2], _randn(8, 15, gen=gen))
+
+
+def test_torch_backend_linear_uses_the_kernel_only_without_grad():
+    gen = torch.Generator().manual_seed(1)
+    x = _randn(2, 32, gen=gen)
+    w = _randn(16, 32, gen=gen).requires_grad_()
+    y = TorchBackend().linear(x, w)  # gradients needed: F.linear, with autograd
+    y.sum().backward()
+    torch.testing.assert_close(w.grad, x.sum(0).expand(16, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(TorchBackend().linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_matches_the_written_out_attention(dtype):
+    gen = torch.Generator().manual_seed(2)
+    num_blocks, block_size, hkv, d, batch, hq = 40, 4, 2, 16, 3, 6
+    k_cache = _randn(num_blocks, block_size, hkv, d, gen=gen, dtype=dtype)
+    v_cache = _randn(num_blocks, block_size, hkv, d, gen=gen, dtype=dtype)
+    q = _randn(batch, hq, d, gen=gen)
+    tables = torch.randperm(num_blocks, generator=gen)[: batch * 8].view(batch, 8).to(torch.int32)
+    lens = torch.tensor([1, 17, 32], dtype=torch.int32)
+    assert cpu_paged_decode.supports(q, k_cache, v_cache)
+    out = cpu_paged_decode.paged_decode(q, k_cache, v_cache, tables, lens, sm_scale=0.3)
+    ref = ReferenceBackend().paged_decode(q, k_cache.float(), v_cache.float(), tables, lens, sm_scale=0.3)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # a sequence with no context yet attends to nothing
+    empty = cpu_paged_decode.paged_decode(q[:1], k_cache, v_cache, tables[:1], torch.zeros(1, dtype=torch.int32))
+    assert torch.equal(empty, torch.zeros_like(empty))
