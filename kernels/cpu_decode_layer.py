@@ -70,7 +70,6 @@ class LayerKernel:
                       wg=(ffn, dim), wu=(ffn, dim), wd=(dim, ffn), bq=(nq,), bk=(nkv,), bv=(nkv,))
         given = dict(ln1=ln1, wq=wq, wk=wk, wv=wv, bq=bq, bk=bk, bv=bv, wo=wo, ln2=ln2, wg=wg, wu=wu, wd=wd)
         self._keep = {name: _fp32(t, shapes[name]) for name, t in given.items()}
-        self.dims = (dim, n_heads, n_kv_heads, head_dim, ffn)
         self.struct = _LayerWeights(*(_ptr(t) for t in self._keep.values()), dim, n_heads, n_kv_heads, head_dim,
                                     ffn, window, eps, scale)
 

@@ -10,45 +10,30 @@
 
 #define MAX_ROWS 8
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
+static inline float f32_at(const float *p, int64_t c) { return p[c]; }
+static inline float bf16_at(const uint16_t *p, int64_t c) {
+    uint32_t u = (uint32_t)p[c] << 16;
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
 }
 
-/* x (M, K) fp32, w (N, K) fp32, bias (N,) fp32 or NULL, y (M, N) fp32; all contiguous. 0, or -1 for M > 8. */
-int gemv_f32(const float *x, const float *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k,
-             int threads) {
-    if (m < 1 || m > MAX_ROWS) return -1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t j = 0; j < n; j++) {
-        const float *wr = w + j * k;
-        for (int64_t i = 0; i < m; i++) {
-            const float *xr = x + i * k;
-            float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-            for (int64_t c = 0; c < k; c++) acc += xr[c] * wr[c];
-            y[i * n + j] = bias ? acc + bias[j] : acc;
-        }
+/* x (M, K) fp32, w (N, K) in `wtype` (bf16 as raw bits, widened to fp32 in registers: half the bytes streamed),
+ * bias (N,) fp32 or NULL, y (M, N) fp32; all contiguous. 0, or -1 for M outside 1..8. */
+#define GEMV(name, wtype, at)                                                                                 \
+    int name(const float *x, const wtype *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k,     \
+             int threads) {                                                                                    \
+        if (m < 1 || m > MAX_ROWS) return -1;                                                                  \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)") for (int64_t j = 0; j < n; j++) {    \
+            const wtype *wr = w + j * k;                                                                       \
+            for (int64_t i = 0; i < m; i++) {                                                                  \
+                const float *xr = x + i * k;                                                                   \
+                float acc = 0.f;                                                                               \
+                _Pragma("omp simd reduction(+ : acc)") for (int64_t c = 0; c < k; c++) acc += xr[c] * at(wr, c);\
+                y[i * n + j] = bias ? acc + bias[j] : acc;                                                     \
+            }                                                                                                  \
+        }                                                                                                      \
+        return 0;                                                                                              \
     }
-    return 0;
-}
-
-/* The same with bf16 weights (raw bits), widened to fp32 in registers: half the bytes streamed. */
-int gemv_bf16(const float *x, const uint16_t *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k,
-              int threads) {
-    if (m < 1 || m > MAX_ROWS) return -1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t j = 0; j < n; j++) {
-        const uint16_t *wr = w + j * k;
-        for (int64_t i = 0; i < m; i++) {
-            const float *xr = x + i * k;
-            float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-            for (int64_t c = 0; c < k; c++) acc += xr[c] * bf16_to_f32(wr[c]);
-            y[i * n + j] = bias ? acc + bias[j] : acc;
-        }
-    }
-    return 0;
-}
+GEMV(gemv_f32, float, f32_at)
+GEMV(gemv_bf16, uint16_t, bf16_at)
