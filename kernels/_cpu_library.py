@@ -34,6 +34,8 @@ _SIGNATURES = {
     "paged_decode_bf16": [_PTR] * 6 + [_I64] * 6 + [_F32, _INT],
     # layer weights, step inputs, k_cache, v_cache, x, threads
     "decode_layer_f32": [_PTR] * 5 + [_INT],
+    # x, gamma, beta, y, b, c, hw, groups, eps, channels_last, silu
+    "group_norm_f32": [_PTR] * 4 + [_I64] * 4 + [_F32] + [_INT] * 2,
 }
 
 

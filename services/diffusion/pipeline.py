@@ -72,15 +72,18 @@ class DiffusionPipeline:
         return self.model.text_encoder(self.tokenizer(prompts).to(self.device))
 
     def guided_output(self, latents: torch.Tensor, t: torch.Tensor, context: torch.Tensor | ContextCache,
-                      guidance_scale: float) -> torch.Tensor:
+                      guidance_scale: float, temb: torch.Tensor | None = None) -> torch.Tensor:
         """Classifier-free guidance (Ho & Salimans 2022): out_u + w (out_c − out_u), with the conditional and the
         unconditional (negative-prompt) halves of ``context`` (2N, T, D) in ONE U-Net batch. w = 1 skips the
         unconditional half; w = 0 is the unconditional (negative-prompt) model alone. A `ContextCache` holds
-        exactly the contexts the U-Net reads: 2N of them, or only the N conditional ones when w = 1."""
+        exactly the contexts the U-Net reads: 2N of them, or only the N conditional ones when w = 1. ``temb``
+        (1, temb_dim) is t's time embedding when the caller computed it beforehand."""
         n = latents.shape[0]
         if guidance_scale == 1.0:
-            return self.model.unet(latents, t.expand(n), context if isinstance(context, ContextCache) else context[:n])
-        out = self.model.unet(torch.cat([latents, latents]), t.expand(2 * n), context)  # (2N, C, h, w)
+            return self.model.unet(latents, t.expand(n), context if isinstance(context, ContextCache) else context[:n],
+                                   temb=None if temb is None else temb.expand(n, -1))
+        out = self.model.unet(torch.cat([latents, latents]), t.expand(2 * n), context,
+                              temb=None if temb is None else temb.expand(2 * n, -1))  # (2N, C, h, w)
         cond, uncond = out.chunk(2)
         return uncond + guidance_scale * (cond - uncond)
 
@@ -117,10 +120,12 @@ class DiffusionPipeline:
         # Noise is drawn on the CPU generator so a seed gives the same latents on every device.
         latents = torch.randn((n, *self.latent_shape), generator=generator).to(self.device)
         scale = self.config.scaling_factor
+        # Like the text, the timesteps are known before the first step: embed them all in one batch.
+        tembs = self.model.unet.time_embed(timesteps.to(self.device), latents.dtype)  # (steps, temb_dim)
         for i, t in enumerate(timesteps):
             if should_cancel is not None and should_cancel():
                 raise Cancelled(f"cancelled before step {i + 1} of {steps}")
-            out = self.guided_output(latents, t.to(self.device), cache, guidance_scale)
+            out = self.guided_output(latents, t.to(self.device), cache, guidance_scale, tembs[i : i + 1])
             latents = sampler.step(out.cpu(), i, latents.cpu(), generator=generator).to(self.device)
             if on_step is not None:
                 on_step(i + 1, steps, latents / scale)

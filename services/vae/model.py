@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.blocks.conv import Downsample, Upsample
+from shared.blocks.conv import Conv2d, Downsample, Upsample
 from shared.blocks.norms import group_norm
 from shared.blocks.residual import ResBlock
 from shared.checkpoint import load_weights, read_config
@@ -131,7 +131,7 @@ class Encoder(nn.Module):
     def __init__(self, config: VAEConfig) -> None:
         super().__init__()
         chans = config.block_out_channels
-        self.conv_in = nn.Conv2d(config.in_channels, chans[0], 3, padding=1)
+        self.conv_in = Conv2d(config.in_channels, chans[0], 3, padding=1)
         self.down_blocks = nn.ModuleList(
             [
                 DownBlock(chans[max(i - 1, 0)], c, config.layers_per_block, config.norm_groups, i < len(chans) - 1)
@@ -140,14 +140,14 @@ class Encoder(nn.Module):
         )
         self.mid_block = MidBlock(chans[-1], config.norm_groups)
         self.conv_norm_out = group_norm(chans[-1], config.norm_groups)
-        self.conv_out = nn.Conv2d(chans[-1], 2 * config.latent_channels, 3, padding=1)
+        self.conv_out = Conv2d(chans[-1], 2 * config.latent_channels, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.conv_in(x)  # (B, C0, 32, 32)
         for block in self.down_blocks:
             h = block(h)
         h = self.mid_block(h)  # (B, C_last, 8, 8)
-        return self.conv_out(F.silu(self.conv_norm_out(h)))  # (B, 2L, 8, 8)
+        return self.conv_out(self.conv_norm_out(h, silu=True))  # (B, 2L, 8, 8)
 
 
 class Decoder(nn.Module):
@@ -156,7 +156,7 @@ class Decoder(nn.Module):
     def __init__(self, config: VAEConfig) -> None:
         super().__init__()
         chans = tuple(reversed(config.block_out_channels))
-        self.conv_in = nn.Conv2d(config.latent_channels, chans[0], 3, padding=1)
+        self.conv_in = Conv2d(config.latent_channels, chans[0], 3, padding=1)
         self.mid_block = MidBlock(chans[0], config.norm_groups)
         self.up_blocks = nn.ModuleList(
             [
@@ -165,13 +165,13 @@ class Decoder(nn.Module):
             ]
         )
         self.conv_norm_out = group_norm(chans[-1], config.norm_groups)
-        self.conv_out = nn.Conv2d(chans[-1], config.in_channels, 3, padding=1)
+        self.conv_out = Conv2d(chans[-1], config.in_channels, 3, padding=1)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         h = self.mid_block(self.conv_in(z))  # (B, C_last, 8, 8)
         for block in self.up_blocks:
             h = block(h)
-        return self.conv_out(F.silu(self.conv_norm_out(h)))  # (B, 3, 32, 32)
+        return self.conv_out(self.conv_norm_out(h, silu=True))  # (B, 3, 32, 32)
 
 
 class VAE(nn.Module):
@@ -181,8 +181,8 @@ class VAE(nn.Module):
         super().__init__()
         self.config = config
         self.encoder = Encoder(config)
-        self.quant_conv = nn.Conv2d(2 * config.latent_channels, 2 * config.latent_channels, 1)
-        self.post_quant_conv = nn.Conv2d(config.latent_channels, config.latent_channels, 1)
+        self.quant_conv = Conv2d(2 * config.latent_channels, 2 * config.latent_channels, 1)
+        self.post_quant_conv = Conv2d(config.latent_channels, config.latent_channels, 1)
         self.decoder = Decoder(config)
 
     @property

@@ -1,7 +1,7 @@
 """The single dispatch point between the building blocks and the compute that runs them.
 
 `get_backend(name=None)` returns a backend object; the name comes from the `GENSERVE_BACKEND` environment variable
-when not given: "auto" (default), "reference", "torch" or "triton". Every backend has the same five methods (the
+when not given: "auto" (default), "reference", "torch" or "triton". Every backend has the same seven methods (the
 contract in docs/architecture.md):
 
 - attend(q, k, v, *, causal, sm_scale=None): q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D), Hq % Hkv == 0 (GQA read
@@ -10,13 +10,18 @@ contract in docs/architecture.md):
   (num_blocks, block_size, Hkv, D), block_tables int32 (B, max_blocks), context_lens int32 (B,) -> (B, Hq, D);
 - rms_norm(x, weight, eps, residual=None): y, or (y, x + residual) with the norm taken of x + residual;
 - apply_rope(q, k, cos, sin, positions, *, interleaved=False): (q, k) rotated; cos/sin are (P, D/2) tables;
-- linear(x, weight, bias=None): y = x W^T + b, weight (N, K) as in nn.Linear.
+- linear(x, weight, bias=None): y = x W^T + b, weight (N, K) as in nn.Linear;
+- conv2d(x, weight, bias=None, *, stride, padding, prepared=None): F.conv2d with dilation 1 and groups 1; `prepared`
+  is the calling module's `PreparedWeights`, where a backend may keep the weight in the layout its compute wants;
+- group_norm(x, groups, weight=None, bias=None, eps=1e-5, *, silu=False): F.group_norm, then F.silu when `silu`.
 
 "reference" is the written-out math of the seed, "torch" uses fused torch ops (SDPA), "triton" calls the kernels
 package, and "auto" picks triton for CUDA tensors when triton is importable and no gradient is needed (the kernels
 are forward-only), and torch otherwise. On the CPU, "torch" runs the decode step's hot spots on the C kernels of
 the kernels package (kernels/cpu_gemv.py, kernels/cpu_paged_decode.py): matrix-vector products that stream weights
-at close to memory bandwidth where MKL does not, and paged attention in one call instead of a dozen tensor ops.
+at close to memory bandwidth where MKL does not, and paged attention in one call instead of a dozen tensor ops; and
+small convolutions on oneDNN with the weight reordered once instead of on every call (kernels/cpu_conv.py), and
+GroupNorm + SiLU in one pass over either memory layout (kernels/cpu_group_norm.py).
 Modules hold a backend and never branch on devices themselves.
 """
 
@@ -43,6 +48,17 @@ def _gather_paged(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
     blocks = cache[tables]  # (B, M, bs, Hkv, D)
     b, m, bs, h, d = blocks.shape
     return blocks.reshape(b, m * bs, h, d).transpose(1, 2)
+
+
+class PreparedWeights(dict):
+    """A module's store for what a backend derives from its weights (e.g. a copy reordered for oneDNN). Derived
+    data only: copies and pickles of the module start with it empty, as oneDNN tensors can be neither."""
+
+    def __deepcopy__(self, memo: dict) -> PreparedWeights:
+        return PreparedWeights()
+
+    def __reduce__(self):
+        return PreparedWeights, ()
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
@@ -83,6 +99,13 @@ class ReferenceBackend:
 
     def linear(self, x, weight, bias=None) -> torch.Tensor:
         return F.linear(x, weight, bias)
+
+    def conv2d(self, x, weight, bias=None, *, stride, padding, prepared=None) -> torch.Tensor:
+        return F.conv2d(x, weight, bias, stride, padding)
+
+    def group_norm(self, x, groups: int, weight=None, bias=None, eps: float = 1e-5, *, silu: bool = False):
+        y = F.group_norm(x, groups, weight, bias, eps)
+        return F.silu(y) if silu else y
 
 
 class TorchBackend(ReferenceBackend):
@@ -131,6 +154,22 @@ class TorchBackend(ReferenceBackend):
                 return cpu_gemv.gemv(x, weight, bias)
         return F.linear(x, weight, bias)
 
+    def conv2d(self, x, weight, bias=None, *, stride, padding, prepared=None) -> torch.Tensor:
+        if prepared is not None and x.device.type == "cpu" and not _needs_grad(x, weight, bias):
+            from kernels import cpu_conv
+
+            if cpu_conv.supports(x, weight, stride, padding):
+                return cpu_conv.conv2d(x, weight, bias, stride, padding, prepared)
+        return F.conv2d(x, weight, bias, stride, padding)
+
+    def group_norm(self, x, groups: int, weight=None, bias=None, eps: float = 1e-5, *, silu: bool = False):
+        if x.device.type == "cpu" and not _needs_grad(x, weight, bias):
+            from kernels import cpu_group_norm
+
+            if cpu_group_norm.supports(x):
+                return cpu_group_norm.group_norm(x, groups, weight, bias, eps, silu=silu)
+        return super().group_norm(x, groups, weight, bias, eps, silu=silu)
+
 
 class TritonBackend:
     """The Triton kernels of the `kernels` package (imported on first use, so CPU-only imports stay light)."""
@@ -163,6 +202,12 @@ class TritonBackend:
     def linear(self, x, weight, bias=None) -> torch.Tensor:
         return F.linear(x, weight, bias)  # cuBLAS
 
+    def conv2d(self, x, weight, bias=None, *, stride, padding, prepared=None) -> torch.Tensor:
+        return F.conv2d(x, weight, bias, stride, padding)  # cuDNN
+
+    def group_norm(self, x, groups: int, weight=None, bias=None, eps: float = 1e-5, *, silu: bool = False):
+        return ReferenceBackend.group_norm(self, x, groups, weight, bias, eps, silu=silu)
+
 
 class AutoBackend:
     """Triton for CUDA tensors when triton is importable, torch otherwise; decided per call from the first input."""
@@ -191,6 +236,12 @@ class AutoBackend:
 
     def linear(self, x, weight, bias=None) -> torch.Tensor:
         return self._pick(x).linear(x, weight, bias)
+
+    def conv2d(self, x, weight, bias=None, *, stride, padding, prepared=None) -> torch.Tensor:
+        return self._pick(x).conv2d(x, weight, bias, stride=stride, padding=padding, prepared=prepared)
+
+    def group_norm(self, x, groups: int, weight=None, bias=None, eps: float = 1e-5, *, silu: bool = False):
+        return self._pick(x).group_norm(x, groups, weight, bias, eps, silu=silu)
 
 
 Backend = ReferenceBackend | TorchBackend | TritonBackend | AutoBackend

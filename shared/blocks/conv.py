@@ -1,7 +1,8 @@
 """Convolutions (seed Def. 7), transposed convolutions (Def. 8), the two up/down-sampling layers of U-Nets and GANs
 (Remark 4) and pooling, with the output-size arithmetic of Example 1 and Exercises 5-6.
 
-Downsample and Upsample keep diffusers' submodule name `conv` so their checkpoints map 1:1.
+Downsample and Upsample keep diffusers' submodule name `conv` so their checkpoints map 1:1. `Conv2d` is nn.Conv2d
+with its product dispatched through the backend (same parameters, same checkpoint names).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from shared.blocks.backend import Backend, PreparedWeights, get_backend
 
 
 def conv_out(n: int, k: int, s: int = 1, p: int = 0, dilation: int = 1) -> int:
@@ -21,11 +24,27 @@ def transposed_conv_out(n: int, k: int, s: int = 1, p: int = 0, op: int = 0) -> 
     return (n - 1) * s - 2 * p + k + op
 
 
-def conv2d_same(in_ch: int, out_ch: int, kernel_size: int = 3, stride: int = 1, bias: bool = True) -> nn.Conv2d:
+class Conv2d(nn.Conv2d):
+    """A zero-padded 2-D convolution (Def. 7), dilation 1, groups 1: x (B, in_ch, H, W) -> (B, out_ch, H', W') with
+    H' = conv_out(H, k, stride, padding). The backend may keep the weight prepared for its compute in
+    ``self.prepared`` (on the CPU, reordered once for oneDNN: kernels/cpu_conv.py)."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1, padding: int = 0,
+                 bias: bool = True, backend: Backend | None = None) -> None:
+        super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=padding, bias=bias)
+        self.backend = backend or get_backend()
+        self.prepared = PreparedWeights()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.conv2d(x, self.weight, self.bias, stride=self.stride, padding=self.padding,
+                                   prepared=self.prepared)
+
+
+def conv2d_same(in_ch: int, out_ch: int, kernel_size: int = 3, stride: int = 1, bias: bool = True) -> Conv2d:
     """A Conv2d with "same" padding k // 2: H x W -> H x W at stride 1, ceil(H/s) x ceil(W/s) at stride s."""
     if kernel_size % 2 == 0:
         raise ValueError(f"kernel_size must be odd for same padding, got {kernel_size}")
-    return nn.Conv2d(in_ch, out_ch, kernel_size, stride=stride, padding=kernel_size // 2, bias=bias)
+    return Conv2d(in_ch, out_ch, kernel_size, stride=stride, padding=kernel_size // 2, bias=bias)
 
 
 def conv_transpose(
@@ -59,7 +78,7 @@ class Downsample(nn.Module):
         if padding not in (0, 1):
             raise ValueError(f"padding must be 0 or 1, got {padding}")
         self.padding = padding
-        self.conv = nn.Conv2d(channels, out_channels or channels, 3, stride=2, padding=padding)
+        self.conv = Conv2d(channels, out_channels or channels, 3, stride=2, padding=padding)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.padding == 0:
@@ -72,7 +91,7 @@ class Upsample(nn.Module):
 
     def __init__(self, channels: int, out_channels: int | None = None) -> None:
         super().__init__()
-        self.conv = nn.Conv2d(channels, out_channels or channels, 3, padding=1)
+        self.conv = Conv2d(channels, out_channels or channels, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))  # (B, C, 2H, 2W)

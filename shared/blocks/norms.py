@@ -1,8 +1,9 @@
 """Normalisation layers (seed Defs. 5, 6, 19; Remark 3) and one factory `norm(name, dim)`.
 
 BatchNorm normalises each feature over the batch, LayerNorm each sample over its features, GroupNorm each sample over
-groups of channels, RMSNorm each sample by its root mean square without centring. torch's BatchNorm/LayerNorm/
-GroupNorm are the implementation of Defs. 5-6; RMSNorm runs through the backend so CUDA gets the fused kernel.
+groups of channels, RMSNorm each sample by its root mean square without centring. torch's BatchNorm/LayerNorm are
+the implementation of Defs. 5-6; RMSNorm and GroupNorm run through the backend, so CUDA gets the fused RMSNorm
+kernel and a CPU the one-pass GroupNorm(+SiLU) kernel.
 """
 
 from __future__ import annotations
@@ -34,11 +35,25 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
-def group_norm(channels: int, groups: int = 32, eps: float = 1e-6, affine: bool = True) -> nn.GroupNorm:
+class GroupNorm(nn.GroupNorm):
+    """GroupNorm (Def. 6) of x (B, C, ...) over groups of C / num_groups channels, with nn.GroupNorm's parameters
+    and names. forward(x, silu=True) applies SiLU in the same pass: the norm -> SiLU pair that opens every stage
+    of a U-Net or VAE residual block."""
+
+    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True,
+                 backend: Backend | None = None) -> None:
+        super().__init__(num_groups, num_channels, eps=eps, affine=affine)
+        self.backend = backend or get_backend()
+
+    def forward(self, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
+        return self.backend.group_norm(x, self.num_groups, self.weight, self.bias, self.eps, silu=silu)
+
+
+def group_norm(channels: int, groups: int = 32, eps: float = 1e-6, affine: bool = True) -> GroupNorm:
     """GroupNorm over `groups` groups of channels; raises when the groups do not divide the channels."""
     if channels % groups:
         raise ValueError(f"groups ({groups}) must divide channels ({channels})")
-    return nn.GroupNorm(groups, channels, eps=eps, affine=affine)
+    return GroupNorm(groups, channels, eps=eps, affine=affine)
 
 
 NORM_NAMES = ("rmsnorm", "layernorm", "batchnorm", "batchnorm2d", "groupnorm")

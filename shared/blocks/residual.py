@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.blocks.conv import Conv2d
 from shared.blocks.norms import group_norm
 
 
@@ -28,19 +29,19 @@ class ResBlock(nn.Module):
         super().__init__()
         out_ch = out_ch or in_ch
         self.norm1 = group_norm(in_ch, groups, eps)
-        self.conv1 = nn.Conv2d(in_ch, out_ch, 3, padding=1)
+        self.conv1 = Conv2d(in_ch, out_ch, 3, padding=1)
         self.time_emb_proj = nn.Linear(temb_dim, out_ch) if temb_dim else None
         self.norm2 = group_norm(out_ch, groups, eps)
         self.dropout = nn.Dropout(dropout)
-        self.conv2 = nn.Conv2d(out_ch, out_ch, 3, padding=1)
-        self.conv_shortcut = nn.Conv2d(in_ch, out_ch, 1) if in_ch != out_ch else None
+        self.conv2 = Conv2d(out_ch, out_ch, 3, padding=1)
+        self.conv_shortcut = Conv2d(in_ch, out_ch, 1) if in_ch != out_ch else None
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.conv1(F.silu(self.norm1(x)))
+        h = self.conv1(self.norm1(x, silu=True))
         if self.time_emb_proj is not None:
             if temb is None:
                 raise ValueError("temb is required: this block was built with temb_dim")
             h = h + self.time_emb_proj(F.silu(temb))[:, :, None, None]  # (B, out_ch, 1, 1) broadcast over H, W
-        h = self.conv2(self.dropout(F.silu(self.norm2(h))))
+        h = self.conv2(self.dropout(self.norm2(h, silu=True)))
         skip = x if self.conv_shortcut is None else self.conv_shortcut(x)
         return skip + h

@@ -18,10 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from shared.blocks.conv import Downsample, Upsample
+from shared.blocks.conv import Conv2d, Downsample, Upsample
 from shared.blocks.cross_attention import ContextCache, CrossAttention
 from shared.blocks.ffn import GeluFFN
 from shared.blocks.norms import group_norm
@@ -203,7 +202,7 @@ class UNet(nn.Module):
         super().__init__()
         self.config = config
         chs, n_levels = config.block_out_channels, len(config.block_out_channels)
-        self.conv_in = nn.Conv2d(config.in_channels, chs[0], 3, padding=1)
+        self.conv_in = Conv2d(config.in_channels, chs[0], 3, padding=1)
         self.time_embedding = TimestepEmbedding(chs[0], config.temb_dim)
 
         skip_stack = [chs[0]]  # channels of every tensor the encoder hands to the decoder, in push order
@@ -225,18 +224,22 @@ class UNet(nn.Module):
             prev = chs[level]
 
         self.conv_norm_out = group_norm(chs[0], config.norm_groups, eps=1e-5)
-        self.conv_out = nn.Conv2d(chs[0], config.out_channels, 3, padding=1)
+        self.conv_out = Conv2d(chs[0], config.out_channels, 3, padding=1)
 
-    def forward(self, sample: torch.Tensor, timesteps: torch.Tensor, context: Context = None
-                ) -> torch.Tensor:
+    def time_embed(self, timesteps: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """(B,) timesteps -> (B, temb_dim): the sinusoidal features through the time MLP. A sampler knows all its
+        timesteps up front and may embed them in one call, then pass each row to ``forward`` as ``temb``."""
+        return self.time_embedding(timestep_embedding(timesteps, self.config.block_out_channels[0]).to(dtype))
+
+    def forward(self, sample: torch.Tensor, timesteps: torch.Tensor, context: Context = None, *,
+                temb: torch.Tensor | None = None) -> torch.Tensor:
+        """``temb`` (B, temb_dim), when given, is ``time_embed(timesteps)`` computed beforehand."""
         b, _, h, w = sample.shape
         f = self.config.downsample_factor
         if h % f or w % f:
             raise ValueError(f"H and W must be multiples of {f}, got {h}x{w}")
-        if timesteps.dim() == 0:
-            timesteps = timesteps.expand(b)
-        t_features = timestep_embedding(timesteps, self.config.block_out_channels[0]).to(sample.dtype)
-        temb = self.time_embedding(t_features)  # (B, temb_dim)
+        if temb is None:
+            temb = self.time_embed(timesteps.expand(b) if timesteps.dim() == 0 else timesteps, sample.dtype)
 
         x = self.conv_in(sample)
         skips = [x]
@@ -246,4 +249,4 @@ class UNet(nn.Module):
         x = self.mid_block(x, temb, context)
         for block in self.up_blocks:
             x = block(x, skips, temb, context)
-        return self.conv_out(F.silu(self.conv_norm_out(x)))
+        return self.conv_out(self.conv_norm_out(x, silu=True))

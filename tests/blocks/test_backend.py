@@ -52,6 +52,24 @@ def test_paged_decode_equals_attention_over_the_gathered_sequence(ref, fused) ->
         assert torch.allclose(out_ref[b], expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_conv2d_and_group_norm_reference_equal_torch(ref, fused, grad) -> None:
+    """The torch backend runs both on its CPU kernels for inference and on torch ops when a gradient is needed."""
+    from shared.blocks.backend import PreparedWeights
+
+    x, w, b = torch.randn(2, 8, 6, 6), torch.randn(16, 8, 3, 3, requires_grad=grad), torch.randn(16)
+    with torch.set_grad_enabled(grad):
+        for stride, padding in (((1, 1), (1, 1)), ((2, 2), (0, 0))):
+            a = ref.conv2d(x, w, b, stride=stride, padding=padding)
+            c = fused.conv2d(x, w, b, stride=stride, padding=padding, prepared=PreparedWeights())
+            torch.testing.assert_close(a, c, atol=1e-4, rtol=1e-5)
+        y, g = fused.conv2d(x, w, b, stride=(1, 1), padding=(1, 1)), torch.randn(16)
+        for silu in (False, True):
+            torch.testing.assert_close(ref.group_norm(y, 4, g, b, 1e-6, silu=silu),
+                                       fused.group_norm(y, 4, g, b, 1e-6, silu=silu), atol=1e-5, rtol=1e-5)
+    assert a.requires_grad == grad
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_reference_equals_torch(ref, fused, dtype) -> None:
     x, res, w = torch.randn(3, 5, 32, dtype=dtype), torch.randn(3, 5, 32, dtype=dtype), torch.randn(32, dtype=dtype)

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from shared.blocks.backend import get_backend
@@ -62,6 +63,19 @@ def test_group_norm_normalises_groups_of_channels() -> None:
     assert torch.allclose(y.var(-1, unbiased=False), torch.ones(3, 2), atol=1e-4)
     with pytest.raises(ValueError, match="divide"):
         group_norm(10, groups=4)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_group_norm_with_silu_is_the_norm_then_silu(grad: bool) -> None:
+    torch.manual_seed(0)
+    gn, x = group_norm(16, groups=4), torch.randn(2, 16, 3, 5) * 2 + 1
+    with torch.no_grad():
+        gn.weight.normal_(), gn.bias.normal_()
+    plain = nn.GroupNorm(4, 16, eps=gn.eps)
+    plain.load_state_dict(gn.state_dict())  # same parameter names as nn.GroupNorm
+    with torch.set_grad_enabled(grad):
+        torch.testing.assert_close(gn(x, silu=True), F.silu(plain(x)), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(gn(x), plain(x), atol=1e-5, rtol=1e-5)
 
 
 def test_norm_factory_names() -> None:

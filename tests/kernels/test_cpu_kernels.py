@@ -1,4 +1,4 @@
-"""The C kernels for CPU decoding (kernels/csrc) against torch on the same inputs."""
+"""The C kernels for the CPU (kernels/csrc) against torch on the same inputs."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_gemv, cpu_paged_decode
+from kernels import cpu_gemv, cpu_group_norm, cpu_paged_decode
 from kernels._cpu_library import library
 from shared.blocks.backend import ReferenceBackend, TorchBackend
 
@@ -66,3 +66,33 @@ def test_paged_decode_matches_the_written_out_attention(dtype):
     # a sequence with no context yet attends to nothing
     empty = cpu_paged_decode.paged_decode(q[:1], k_cache, v_cache, tables[:1], torch.zeros(1, dtype=torch.int32))
     assert torch.equal(empty, torch.zeros_like(empty))
+
+
+@pytest.mark.parametrize(("shape", "groups"), [((2, 64, 8, 8), 32), ((2, 192, 4, 4), 32), ((3, 6, 5, 7), 3)])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("silu", [False, True])
+def test_group_norm_matches_torch_in_both_layouts(shape, groups, channels_last, silu):
+    gen = torch.Generator().manual_seed(shape[1])
+    x = _randn(*shape, gen=gen) * 3 + 1.5  # off-centre, so a one-pass variance would lose digits
+    w, b = _randn(shape[1], gen=gen), _randn(shape[1], gen=gen)
+    inp = x.contiguous(memory_format=torch.channels_last) if channels_last else x
+    assert cpu_group_norm.supports(inp)
+    out = cpu_group_norm.group_norm(inp, groups, w, b, 1e-6, silu=silu)
+    expected = F.group_norm(x, groups, w, b, 1e-6)
+    torch.testing.assert_close(out, F.silu(expected) if silu else expected, atol=1e-5, rtol=1e-5)
+    assert out.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    no_affine = cpu_group_norm.group_norm(inp, groups, None, None, 1e-6)
+    torch.testing.assert_close(no_affine, F.group_norm(x, groups, eps=1e-6), atol=1e-5, rtol=1e-5)
+
+
+def test_group_norm_refuses_groups_that_do_not_divide_the_channels():
+    with pytest.raises(ValueError, match="divide"):
+        cpu_group_norm.group_norm(torch.randn(1, 6, 2, 2), 4, None, None, 1e-5)
+    assert not cpu_group_norm.supports(torch.randn(1, 6, 2, 2).transpose(2, 3))  # neither layout
+    assert not cpu_group_norm.supports(torch.randn(1, 6, 2, 2, dtype=torch.bfloat16))
+
+
+def test_torch_backend_gemv_limit_is_the_kernels():
+    from shared.blocks import backend
+
+    assert backend._GEMV_MAX_ROWS == cpu_gemv.MAX_ROWS
