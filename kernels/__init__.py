@@ -1,12 +1,14 @@
-"""Kernels for the text LM: Triton on GPUs, C on CPUs.
+"""Kernels: Triton on GPUs, C (and prepared oneDNN calls) on CPUs.
 
 - Triton (GPU): flash attention (prefill), paged decode attention, fused RMSNorm, RoPE. On machines without a GPU
   they run under TRITON_INTERPRET=1 (tests only; the services use torch there).
 - C (CPU, csrc/, built on first use by _cpu_library.py): `cpu_gemv` (decode-sized matrix products),
-  `cpu_paged_decode` (paged decode attention) and `cpu_decode_layer` (a whole decoder layer for decode tokens).
+  `cpu_paged_decode` (paged decode attention), `cpu_decode_step` (a whole text decode step: every layer, the final
+  norm and the LM head) and `cpu_group_norm` (GroupNorm + SiLU for the image models).
+- `cpu_conv`: small convolutions on oneDNN with the weight reordered once, not on every call.
 
 Model code never imports this package: `shared/blocks/backend.py` calls the per-op kernels, and the text engine
-(`services/text/cpu_decode.py`) the fused layer.
+(`services/text/cpu_decode.py`) the fused step.
 """
 
 from kernels.flash_attention import flash_attention

@@ -1,11 +1,11 @@
-"""Decode-only engine steps of an fp32 model on the CPU, one fused kernel call per layer.
+"""Decode-only engine steps of an fp32 model on the CPU, one fused kernel call per step.
 
 A decode step reads every weight once; op by op in PyTorch, the small tensor ops around the matrix-vector products
 cost about as much again as the products themselves. ``CpuDecoder`` runs the same math as
-``LlamaForCausalLM.forward_paged`` for batches without prefill chunks through ``kernels.cpu_decode_layer`` and
-keeps the embedding, final norm and LM head as modules. ``for_model`` returns None where the kernel does not
-apply (not CPU fp32, quantised weights, gated attention, the parallel block, MoE, interleaved RoPE, or no C
-compiler), and the engine keeps ``forward_paged``.
+``LlamaForCausalLM.forward_paged`` for batches without prefill chunks through ``kernels.cpu_decode_step``: the
+embedding lookup, every layer, the final norm and the LM head in one call. ``for_model`` returns None where the
+kernel does not apply (not CPU fp32, quantised weights, gated attention, the parallel block, MoE, interleaved RoPE,
+a biased LM head, or no C compiler), and the engine keeps ``forward_paged``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import cpu_decode_layer
+from kernels import cpu_decode_step
 from services.text.model import LlamaForCausalLM
 from services.text.paged import PagedBatch
 from shared.blocks.ffn import SwiGLU
@@ -33,23 +33,30 @@ class CpuDecoder:
     def __init__(self, model: LlamaForCausalLM):
         self.model = model
         cfg = model.config
-        self.layers = []
+        layers = []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            self.layers.append(cpu_decode_layer.LayerKernel(
+            layers.append(cpu_decode_step.LayerWeights(
                 ln1=layer.input_layernorm.weight.detach(), ln2=layer.post_attention_layernorm.weight.detach(),
                 wq=_weight(attn.q_proj), wk=_weight(attn.k_proj), wv=_weight(attn.v_proj), wo=_weight(attn.o_proj),
                 bq=_bias(attn.q_proj), bk=_bias(attn.k_proj), bv=_bias(attn.v_proj),
                 wg=_weight(mlp.gate_proj), wu=_weight(mlp.up_proj), wd=_weight(mlp.down_proj),
                 n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, eps=cfg.norm_eps,
                 scale=attn.sm_scale, window=cfg.sliding_window))
+        self.kernel = cpu_decode_step.StepKernel(
+            layers, embed=model.model.embed_tokens.weight.detach(), norm=model.model.norm.weight.detach(),
+            eps=model.model.norm.eps, head=_weight(model.lm_head), n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+            head_dim=cfg.head_dim, ffn=cfg.ffn_hidden)
 
     @classmethod
     def for_model(cls, model: nn.Module) -> CpuDecoder | None:
-        if not isinstance(model, LlamaForCausalLM) or not cpu_decode_layer.available():
+        if not isinstance(model, LlamaForCausalLM) or not cpu_decode_step.available():
             return None
-        cfg = model.config
+        cfg, head = model.config, model.lm_head
         if cfg.gated_attention or cfg.parallel_block or cfg.n_experts:
+            return None
+        if (not isinstance(head, nn.Linear) or head.bias is not None or head.weight.dtype != torch.float32
+                or head.weight.device.type != "cpu" or model.model.embed_tokens.weight.dtype != torch.float32):
             return None
         for layer in model.model.layers:
             attn = layer.self_attn
@@ -66,13 +73,7 @@ class CpuDecoder:
         """Next-token logits (S, V) for a batch of decode tokens only (``batch.prefills`` empty)."""
         if batch.prefills:
             raise ValueError("CpuDecoder runs decode-only batches; prefill chunks go through forward_paged")
-        cfg, model = self.model.config, self.model
-        cos, sin = model.rope.tables()
-        step = cpu_decode_layer.StepBuffers(
-            batch.slots, batch.decode_tables, batch.decode_lens, cos[batch.positions], sin[batch.positions],
-            block_size=k_caches[0].shape[1], dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
-            head_dim=cfg.head_dim, ffn=cfg.ffn_hidden)
-        x = model.model.embed_tokens(batch.input_ids).contiguous()  # (M, dim), updated layer by layer
-        for kernel, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
-            kernel.run(step, k_cache, v_cache, x)
-        return model.lm_head(model.model.norm(x[batch.logits_index]))
+        cos, sin = self.model.rope.tables()
+        logits = self.kernel.run(batch.input_ids, batch.positions, batch.slots, batch.decode_tables, batch.decode_lens,
+                                 cos, sin, k_caches, v_caches)  # (M, V): every decode token samples
+        return logits if logits.shape[0] == batch.logits_index.numel() else logits[batch.logits_index]

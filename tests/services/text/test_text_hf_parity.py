@@ -73,11 +73,11 @@ def test_greedy_generation_matches_transformers_alone_and_in_a_batch(checkpoint)
 
 
 def test_fused_cpu_decode_steps_match_forward_paged(checkpoint):
-    """The engine's fused CPU decode kernel (one call per layer) against the module path on the same batches,
+    """The engine's fused CPU decode kernel (one call per step) against the module path on the same batches,
     mixed context lengths in one batch, Mistral's window crossed, Qwen2's q/k/v biases."""
-    from kernels import cpu_decode_layer
+    from kernels import cpu_decode_step
 
-    if not cpu_decode_layer.available():
+    if not cpu_decode_step.available():
         pytest.skip("no working C compiler: the engine runs forward_paged only")
     arch, _, directory = checkpoint
     engine = make_engine(directory, block_size=4)
@@ -96,3 +96,23 @@ def test_fused_cpu_decode_steps_match_forward_paged(checkpoint):
     engine.generate_batch(prompts, SamplingParams(max_tokens=24, temperature=0))
     assert len(diffs) >= 20
     assert max(diffs) <= LOGITS_ATOL
+
+
+def test_fused_cpu_decode_refuses_ids_and_positions_outside_its_tables(checkpoint):
+    """The C step indexes the embedding and the RoPE tables directly: a bad id must be an error, not a wild read."""
+    from kernels import cpu_decode_step
+
+    if not cpu_decode_step.available():
+        pytest.skip("no working C compiler: the engine runs forward_paged only")
+    _, _, directory = checkpoint
+    engine = make_engine(directory, block_size=4)
+    model, kernel = engine.model, engine.cpu_decoder.kernel
+    cos, sin = model.rope.tables()
+    one = torch.zeros(1, dtype=torch.long)
+    args = dict(slots=one, tables=torch.zeros(1, 1, dtype=torch.int32), lens=torch.ones(1, dtype=torch.int32),
+                cos=cos, sin=sin, k_caches=engine.cache.k, v_caches=engine.cache.v)
+    assert kernel.run(one, one, **args).shape == (1, model.config.vocab_size)
+    with pytest.raises(ValueError, match="token id"):
+        kernel.run(torch.tensor([model.config.vocab_size]), one, **args)
+    with pytest.raises(ValueError, match="position"):
+        kernel.run(one, torch.tensor([cos.shape[0]]), **args)

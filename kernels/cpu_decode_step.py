@@ -1,0 +1,127 @@
+"""A whole decode step of a Llama-family model for a CPU engine's decode tokens in one call (csrc/decode_step.c),
+fp32: the embedding lookup, every layer, the final RMSNorm and the LM head, without leaving one OpenMP region.
+
+``LayerWeights`` holds one layer's weights (pointers into the model's own tensors, which it keeps alive);
+``StepKernel`` all layers plus the embedding, the final norm and the head, and reusable scratch per batch size.
+``StepKernel.run(...)`` takes the step's token ids, positions, cache slots, block tables and context lengths and
+returns the logits: after the C call returns, the only tensor op of a step is allocating them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels._cpu_library import library, threads
+
+_P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _LayerWeights(ctypes.Structure):
+    _fields_ = [(n, _P) for n in ("ln1", "wq", "wk", "wv", "bq", "bk", "bv", "wo", "ln2", "wg", "wu", "wd")] + \
+               [(n, _I64) for n in ("dim", "hq", "hkv", "d", "ffn", "window")] + [("eps", _F32), ("scale", _F32)]
+
+
+class _StepInputs(ctypes.Structure):
+    _fields_ = [(n, _P) for n in ("tokens", "positions", "slots", "tables", "lens", "embed", "cos", "sin", "h", "q",
+                                  "k", "v", "att", "act")] + \
+               [(n, _I64) for n in ("m", "block_size", "max_blocks", "vocab", "n_positions")]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _fp32(t: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor | None:
+    if t is None:
+        return None
+    if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or tuple(t.shape) != shape:
+        raise ValueError(f"decode step: expected a contiguous fp32 CPU tensor of shape {shape}, got "
+                         f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    return t
+
+
+def _typed(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"decode step: expected shape {shape}, got {tuple(t.shape)}")
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
+def available() -> bool:
+    return library() is not None
+
+
+class LayerWeights:
+    """One layer's weights: RMSNorm gains ln1/ln2 (dim,), q/k/v/o projections (biases only on q/k/v, optional),
+    SwiGLU gate/up (ffn, dim) and down (dim, ffn); ``window`` > 0 is a sliding attention window."""
+
+    def __init__(self, *, ln1, wq, wk, wv, wo, ln2, wg, wu, wd, bq=None, bk=None, bv=None, n_heads: int,
+                 n_kv_heads: int, head_dim: int, eps: float, scale: float, window: int = 0):
+        dim, ffn = ln1.shape[0], wg.shape[0]
+        nq, nkv = n_heads * head_dim, n_kv_heads * head_dim
+        shapes = dict(ln1=(dim,), wq=(nq, dim), wk=(nkv, dim), wv=(nkv, dim), wo=(dim, nq), ln2=(dim,),
+                      wg=(ffn, dim), wu=(ffn, dim), wd=(dim, ffn), bq=(nq,), bk=(nkv,), bv=(nkv,))
+        given = dict(ln1=ln1, wq=wq, wk=wk, wv=wv, bq=bq, bk=bk, bv=bv, wo=wo, ln2=ln2, wg=wg, wu=wu, wd=wd)
+        self._keep = {name: _fp32(t, shapes[name]) for name, t in given.items()}
+        self.dim = dim
+        self.struct = _LayerWeights(*(_ptr(t) for t in self._keep.values()), dim, n_heads, n_kv_heads, head_dim,
+                                    ffn, window, eps, scale)
+
+
+class StepKernel:
+    """All layers between the embedding (vocab, dim) and the final RMSNorm (gain ``norm`` (dim,), ``eps``) + LM
+    head (vocab, dim), no bias; RoPE tables cos/sin (n_positions, head_dim / 2) in the rotate-half layout."""
+
+    def __init__(self, layers: list[LayerWeights], *, embed: torch.Tensor, norm: torch.Tensor, eps: float,
+                 head: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int, ffn: int):
+        dim = layers[0].dim
+        if any(layer.dim != dim for layer in layers):
+            raise ValueError("decode step: every layer must have the same width")
+        self._layers = layers  # keeps the weights the structs point into alive
+        self._embed, self._norm = _fp32(embed, (embed.shape[0], dim)), _fp32(norm, (dim,))
+        self._head = _fp32(head, (head.shape[0], dim))
+        self._eps = eps
+        self._widths = (dim, dim, n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim,
+                        n_heads * head_dim, ffn)  # x, h, q, k, v, att, act
+        self._scratch: dict[int, list[torch.Tensor]] = {}  # per batch size M: reused by every step of that size
+        self._structs = (_LayerWeights * len(layers))(*(layer.struct for layer in layers))
+        self._caches: tuple[tuple[int, ...], ctypes.Array, ctypes.Array] | None = None
+
+    def _cache_arrays(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
+        key = tuple(t.data_ptr() for t in (*k_caches, *v_caches))
+        if self._caches is None or self._caches[0] != key:  # the engine keeps its caches, so built once
+            n = len(self._layers)
+            if len(k_caches) != n or len(v_caches) != n:
+                raise ValueError(f"decode step: expected {n} key and value caches")
+            self._caches = (key, (_P * n)(*key[:n]), (_P * n)(*key[n:]))
+        return self._caches[1], self._caches[2]
+
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+            lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_caches: list[torch.Tensor],
+            v_caches: list[torch.Tensor]) -> torch.Tensor:
+        """tokens, positions, slots (M,) int64; tables (M, max_blocks) and lens (M,) int32 (context length including
+        the token) -> logits (M, vocab). Each token's k/v go into the caches (num_blocks, block_size, Hkv, D) at
+        its slot. ValueError for a token id or position outside the embedding or RoPE tables."""
+        m = tokens.shape[0]
+        ints = [*(_typed(t, torch.int64, (m,)) for t in (tokens, positions, slots)),
+                _typed(tables, torch.int32, (m, tables.shape[-1])), _typed(lens, torch.int32, (m,))]
+        cos, sin = _fp32(cos, (cos.shape[0], cos.shape[-1])), _fp32(sin, tuple(cos.shape))
+        scratch = self._scratch.get(m)
+        if scratch is None:
+            scratch = self._scratch[m] = [torch.empty(m, n) for n in self._widths]
+        x, *work = scratch
+        step = _StepInputs(*(t.data_ptr() for t in ints[:3]), ints[3].data_ptr(), ints[4].data_ptr(),
+                           self._embed.data_ptr(), cos.data_ptr(), sin.data_ptr(), *(t.data_ptr() for t in work),
+                           m, k_caches[0].shape[1], tables.shape[-1], self._embed.shape[0], cos.shape[0])
+        keys, values = self._cache_arrays(k_caches, v_caches)
+        logits = torch.empty(m, self._head.shape[0])
+        status = library().decode_step_f32(ctypes.addressof(self._structs), len(self._layers), ctypes.addressof(step),
+                                           keys, values, x.data_ptr(), self._norm.data_ptr(), self._eps,
+                                           self._head.data_ptr(), self._head.shape[0], logits.data_ptr(), threads())
+        if status == -2:
+            raise ValueError(f"decode step: a token id is outside [0, {self._embed.shape[0]}) or a position outside "
+                             f"[0, {cos.shape[0]})")
+        if status:
+            raise MemoryError("decode step: attention scratch allocation failed")
+        return logits
