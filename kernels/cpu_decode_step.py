@@ -71,7 +71,8 @@ class LayerWeights:
 
 class StepKernel:
     """All layers between the embedding (vocab, dim) and the final RMSNorm (gain ``norm`` (dim,), ``eps``) + LM
-    head (vocab, dim), no bias; RoPE tables cos/sin (n_positions, head_dim / 2) in the rotate-half layout."""
+    head (vocab, dim), no bias; RoPE tables cos/sin (n_positions, head_dim / 2) in the rotate-half layout. One
+    caller at a time (the engine loop): the scratch and the step struct are shared by every call."""
 
     def __init__(self, layers: list[LayerWeights], *, embed: torch.Tensor, norm: torch.Tensor, eps: float,
                  head: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int, ffn: int):
@@ -84,7 +85,9 @@ class StepKernel:
         self._eps = eps
         self._widths = (dim, dim, n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim,
                         n_heads * head_dim, ffn)  # x, h, q, k, v, att, act
-        self._scratch: dict[int, list[torch.Tensor]] = {}  # per batch size M: reused by every step of that size
+        # per batch size M, reused by every step of that size: scratch tensors and the struct pointing at them
+        self._scratch: dict[int, list[torch.Tensor]] = {}
+        self._steps: dict[int, _StepInputs] = {}
         self._structs = (_LayerWeights * len(layers))(*(layer.struct for layer in layers))
         self._caches: tuple[tuple[int, ...], ctypes.Array, ctypes.Array] | None = None
 
@@ -97,6 +100,16 @@ class StepKernel:
             self._caches = (key, (_P * n)(*key[:n]), (_P * n)(*key[n:]))
         return self._caches[1], self._caches[2]
 
+    def _step_inputs(self, m: int) -> _StepInputs:
+        """The step struct for batch size m, its scratch pointers filled once; the caller sets the per-step fields."""
+        step = self._steps.get(m)
+        if step is None:
+            scratch = self._scratch[m] = [torch.empty(m, n) for n in self._widths]  # x, h, q, k, v, att, act
+            step = self._steps[m] = _StepInputs(embed=self._embed.data_ptr(), vocab=self._embed.shape[0], m=m,
+                                                **{name: t.data_ptr() for name, t in zip(
+                                                    ("h", "q", "k", "v", "att", "act"), scratch[1:], strict=True)})
+        return step
+
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
             lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_caches: list[torch.Tensor],
             v_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -107,13 +120,11 @@ class StepKernel:
         ints = [*(_typed(t, torch.int64, (m,)) for t in (tokens, positions, slots)),
                 _typed(tables, torch.int32, (m, tables.shape[-1])), _typed(lens, torch.int32, (m,))]
         cos, sin = _fp32(cos, (cos.shape[0], cos.shape[-1])), _fp32(sin, tuple(cos.shape))
-        scratch = self._scratch.get(m)
-        if scratch is None:
-            scratch = self._scratch[m] = [torch.empty(m, n) for n in self._widths]
-        x, *work = scratch
-        step = _StepInputs(*(t.data_ptr() for t in ints[:3]), ints[3].data_ptr(), ints[4].data_ptr(),
-                           self._embed.data_ptr(), cos.data_ptr(), sin.data_ptr(), *(t.data_ptr() for t in work),
-                           m, k_caches[0].shape[1], tables.shape[-1], self._embed.shape[0], cos.shape[0])
+        step = self._step_inputs(m)
+        step.tokens, step.positions, step.slots, step.tables, step.lens = (t.data_ptr() for t in ints)
+        step.cos, step.sin, step.n_positions = cos.data_ptr(), sin.data_ptr(), cos.shape[0]
+        step.block_size, step.max_blocks = k_caches[0].shape[1], tables.shape[-1]
+        x = self._scratch[m][0]
         keys, values = self._cache_arrays(k_caches, v_caches)
         logits = torch.empty(m, self._head.shape[0])
         status = library().decode_step_f32(ctypes.addressof(self._structs), len(self._layers), ctypes.addressof(step),

@@ -75,10 +75,17 @@ def token_logprob(logits: torch.Tensor, token: int, n_top: int) -> TokenLogprob:
     return TokenLogprob(token, float(logp[token]), top)
 
 
+def argmax(logits: torch.Tensor) -> int:
+    """The first index of the largest logit (V,). On the CPU through numpy, whose SIMD argmax takes ~3 µs on a
+    32k vocabulary row against ~30 µs for torch's, and greedy decoding takes one per token (same tie and NaN
+    rules: the first maximum, a NaN counting as the maximum)."""
+    return int(logits.numpy().argmax()) if logits.device.type == "cpu" else int(logits.argmax().item())
+
+
 def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, prompt_ids: list[int],
                output_ids: list[int]) -> tuple[int, TokenLogprob | None]:
     """The next token for one request from its logits row (V,), and its logprob entry when asked for."""
     raw = logits.float()
     x = apply_penalties(raw, params, prompt_ids, output_ids) if params.has_penalties else raw
-    token = int(x.argmax().item()) if params.greedy else draw(filter_logits(x, params), generator)
+    token = argmax(x) if params.greedy else draw(filter_logits(x, params), generator)
     return token, token_logprob(raw, token, params.logprobs) if params.logprobs else None
