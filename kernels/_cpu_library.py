@@ -23,6 +23,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
+_HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))  # part of the cache key, not of the command line
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _PTR, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
@@ -53,7 +54,7 @@ def _cpu_signature() -> str:
 def _build() -> Path:
     compiler = os.environ.get("CC", "cc")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    parts = [*(p.read_text() for p in _SOURCES), *_FLAGS, version, _cpu_signature()]
+    parts = [*(p.read_text() for p in (*_SOURCES, *_HEADERS)), *_FLAGS, version, _cpu_signature()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("GENSERVE_CACHE_DIR") or Path.home() / ".cache" / "genserve")
     target = cache / f"cpu-kernels-{key}.so"

@@ -8,15 +8,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#define MAX_ROWS 8
+#include "element.h"
 
-static inline float f32_at(const float *p, int64_t c) { return p[c]; }
-static inline float bf16_at(const uint16_t *p, int64_t c) {
-    uint32_t u = (uint32_t)p[c] << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+#define MAX_ROWS 8
 
 /* x (M, K) fp32, w (N, K) in `wtype` (bf16 as raw bits, widened to fp32 in registers: half the bytes streamed),
  * bias (N,) fp32 or NULL, y (M, N) fp32; all contiguous. 0, or -1 for M outside 1..8. */

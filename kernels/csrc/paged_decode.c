@@ -11,13 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float f32_at(const float *p, int64_t c) { return p[c]; }
-static inline float bf16_at(const uint16_t *p, int64_t c) {
-    uint32_t u = (uint32_t)p[c] << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+#include "element.h"
 
 /* q (B, Hq, D) fp32, caches in `ctype`, tables int32 (B, max_blocks), lens int32 (B,), out (B, Hq, D) fp32.
  * 0, or -1 when a scratch buffer cannot be allocated. */
