@@ -19,7 +19,9 @@ MAX_PIXELS = 512  # B * H_out * W_out; see the module docstring
 
 
 def _available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_convolution_pointwise")
+    # private ops (torch's inductor uses them for frozen CPU graphs): checked, so a build without them keeps F.conv2d
+    return torch.backends.mkldnn.is_available() and all(
+        hasattr(torch.ops.mkldnn, op) for op in ("_convolution_pointwise", "_reorder_convolution_weight"))
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, stride: tuple[int, int], padding: tuple[int, int]) -> bool:
