@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
 from genserve.v1 import diffusion_pb2, diffusion_pb2_grpc
 
 from services.client import Client
+from services.client.errors import ResourceExhausted
 from services.common.deploy_config import LOCAL_APPS
 
 pytestmark = pytest.mark.e2e
 
 DIFFUSION = next(spec for spec in LOCAL_APPS if spec.name == "diffusion")
 PATIENCE_S = 3.0
+RECOVERY_S = 15.0
 
 
 async def open_streams(address: str, n: int) -> list[tuple[grpc.StatusCode | None, float]]:
@@ -54,4 +57,18 @@ def test_requests_past_the_queue_are_refused_fast_then_service_recovers(stack, c
     assert len(refused) >= 8, results
     assert max(refused) < 1.0, results  # shed at once, not after waiting in a queue
     assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED, None}, results
-    assert len(client.diffuse("a small green triangle", steps=1, seed=2).images) == 1
+    assert len(after_the_queue_drains(client).images) == 1
+
+
+def after_the_queue_drains(client: Client, within_s: float = RECOVERY_S):
+    """The first request after the burst that the service accepts. The cancelled streams leave the proxy's queue
+    asynchronously, so a request sent the instant the burst ends may still be shed; the service must take one
+    within ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return client.diffuse("a small green triangle", steps=1, seed=2)
+        except ResourceExhausted:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
