@@ -8,7 +8,10 @@ torch's own inductor uses for frozen CPU graphs) and runs the same oneDNN primit
 
 Past about 512 output pixels per call the plain path is as fast or faster (measured on a 2-core EPYC, 1 and 2
 threads: 20-30% faster prepared at 32-128 pixels, even at 512, 10-20% slower at 1024-4096), so larger calls keep
-``F.conv2d``.
+``F.conv2d``. So do single images: for a batch of one, ``F.conv2d`` takes torch's own im2col + GEMM path rather
+than oneDNN, and inside the VAE that path ran these sizes faster (49 against 84 µs per conv on average over the
+encoder's 13 small convolutions); and so do the tiniest convolutions (under MIN_FLOPS), where a oneDNN call's fixed
+~20 µs is several times the work.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import functools
 import torch
 
 MAX_PIXELS = 512  # B * H_out * W_out; see the module docstring
+MIN_FLOPS = 2**18  # 2 * B * H_out * W_out * C_out * C_in * kH * kW
 
 
 @functools.cache
@@ -28,14 +32,16 @@ def _available() -> bool:
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, stride: tuple[int, int], padding: tuple[int, int]) -> bool:
-    """True when ``conv2d`` applies: fp32 CPU tensors, (B, C, H, W) input, at most MAX_PIXELS output pixels, and a
-    weight that tracks versions (one created under inference_mode does not, so it is never cached)."""
+    """True when ``conv2d`` applies: fp32 CPU tensors, a (B, C, H, W) input with B >= 2, at most MAX_PIXELS output
+    pixels and at least MIN_FLOPS, and a weight that tracks versions (one created under inference_mode does not,
+    so it is never cached)."""
     if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 4
-            or weight.is_inference()):
+            or x.shape[0] < 2 or weight.is_inference()):
         return False
     h = (x.shape[2] + 2 * padding[0] - weight.shape[2]) // stride[0] + 1
     w = (x.shape[3] + 2 * padding[1] - weight.shape[3]) // stride[1] + 1
-    return 0 < x.shape[0] * h * w <= MAX_PIXELS and _available()
+    pixels = x.shape[0] * h * w
+    return 0 < pixels <= MAX_PIXELS and 2 * pixels * weight.numel() >= MIN_FLOPS and _available()
 
 
 def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: tuple[int, int],
@@ -53,4 +59,3 @@ def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, str
     # as is, and torch's elementwise ops and F.conv2d accept it.
     return torch.ops.mkldnn._convolution_pointwise(x, cache["packed"], bias, list(padding), list(stride), [1, 1], 1,
                                                    "none", [], "")
-

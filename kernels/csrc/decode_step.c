@@ -33,8 +33,6 @@ typedef struct {
     int64_t m, block_size, max_blocks, vocab, n_positions;
 } StepInputs;
 
-
-
 static inline float dot(const float *a, const float *b, int64_t n) {
     float acc = 0.f;
 #pragma omp simd reduction(+ : acc)

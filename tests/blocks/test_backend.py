@@ -57,13 +57,13 @@ def test_conv2d_and_group_norm_reference_equal_torch(ref, fused, grad) -> None:
     """The torch backend runs both on its CPU kernels for inference and on torch ops when a gradient is needed."""
     from shared.blocks.backend import PreparedWeights
 
-    x, w, b = torch.randn(2, 8, 6, 6), torch.randn(16, 8, 3, 3, requires_grad=grad), torch.randn(16)
+    x, w, b = torch.randn(2, 16, 6, 6), torch.randn(32, 16, 3, 3, requires_grad=grad), torch.randn(32)
     with torch.set_grad_enabled(grad):
         for stride, padding in (((1, 1), (1, 1)), ((2, 2), (0, 0))):
             a = ref.conv2d(x, w, b, stride=stride, padding=padding)
             c = fused.conv2d(x, w, b, stride=stride, padding=padding, prepared=PreparedWeights())
             torch.testing.assert_close(a, c, atol=1e-4, rtol=1e-5)
-        y, g = fused.conv2d(x, w, b, stride=(1, 1), padding=(1, 1)), torch.randn(16)
+        y, g = fused.conv2d(x, w, b, stride=(1, 1), padding=(1, 1)), torch.randn(32)
         for silu in (False, True):
             torch.testing.assert_close(ref.group_norm(y, 4, g, b, 1e-6, silu=silu),
                                        fused.group_norm(y, 4, g, b, 1e-6, silu=silu), atol=1e-5, rtol=1e-5)

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.skipif(not cpu_conv._available(), reason="this torch bu
 
 
 @pytest.mark.parametrize(("shape", "out_ch", "k", "stride", "padding"), [
-    ((2, 64, 8, 8), 64, 3, 1, 1), ((2, 8, 5, 7), 16, 3, 2, 1), ((1, 12, 4, 4), 6, 1, 1, 0), ((3, 4, 6, 6), 4, 3, 1, 0)])
+    ((2, 64, 8, 8), 64, 3, 1, 1), ((2, 32, 9, 7), 32, 3, 2, 1), ((2, 96, 6, 6), 48, 1, 1, 0),
+    ((3, 24, 6, 6), 24, 3, 1, 0)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_prepared_conv_matches_conv2d(shape, out_ch, k, stride, padding, bias):
     gen = torch.Generator().manual_seed(out_ch)
@@ -29,18 +30,21 @@ def test_prepared_conv_matches_conv2d(shape, out_ch, k, stride, padding, bias):
         torch.testing.assert_close(out, F.conv2d(x, w, b, stride, padding), atol=1e-4, rtol=1e-5)
 
 
-def test_large_outputs_and_other_dtypes_keep_the_plain_path():
+def test_single_images_large_or_tiny_outputs_and_other_dtypes_keep_the_plain_path():
     w = torch.randn(8, 8, 3, 3)
-    assert not cpu_conv.supports(torch.randn(1, 8, 32, 32), w, (1, 1), (1, 1))  # 1024 output pixels
-    assert cpu_conv.supports(torch.randn(2, 8, 16, 16), w, (1, 1), (1, 1))  # 512
+    assert cpu_conv.supports(torch.randn(2, 8, 16, 16), w, (1, 1), (1, 1))  # 512 output pixels
+    assert not cpu_conv.supports(torch.randn(4, 8, 16, 16), w, (1, 1), (1, 1))  # 1024
+    assert not cpu_conv.supports(torch.randn(1, 8, 16, 16), w, (1, 1), (1, 1))  # one image: torch's im2col path
+    assert not cpu_conv.supports(torch.randn(2, 8, 4, 4), torch.randn(8, 8, 1, 1), (1, 1), (0, 0))  # 2 kFLOP
     assert not cpu_conv.supports(torch.randn(2, 8, 16, 16, dtype=torch.bfloat16), w.bfloat16(), (1, 1), (1, 1))
+    x = torch.randn(2, 64, 4, 4)
     with torch.inference_mode():
-        assert not cpu_conv.supports(torch.randn(1, 8, 4, 4), torch.randn(8, 8, 3, 3), (1, 1), (1, 1))
+        assert not cpu_conv.supports(x, torch.randn(64, 64, 3, 3), (1, 1), (1, 1))  # cannot track versions
 
 
 def test_module_sees_in_place_weight_updates_and_copies_without_its_cache():
     torch.manual_seed(0)
-    conv, x = Conv2d(6, 5, 3, padding=1), torch.randn(2, 6, 4, 4)
+    conv, x = Conv2d(32, 24, 3, padding=1), torch.randn(2, 32, 4, 4)
     with torch.no_grad():
         first = conv(x)
         assert conv.prepared  # the CPU inference path kept a reordered weight
@@ -53,6 +57,6 @@ def test_module_sees_in_place_weight_updates_and_copies_without_its_cache():
 
 
 def test_training_keeps_autograd():
-    conv, x = Conv2d(3, 4, 3, padding=1), torch.randn(1, 3, 4, 4, requires_grad=True)
+    conv, x = Conv2d(32, 24, 3, padding=1), torch.randn(2, 32, 4, 4, requires_grad=True)
     conv(x).sum().backward()
     assert x.grad is not None and conv.weight.grad is not None and not conv.prepared
