@@ -85,9 +85,8 @@ class StepKernel:
         self._eps = eps
         self._widths = (dim, dim, n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim,
                         n_heads * head_dim, ffn)  # x, h, q, k, v, att, act
-        # per batch size M, reused by every step of that size: scratch tensors and the struct pointing at them
-        self._scratch: dict[int, list[torch.Tensor]] = {}
-        self._steps: dict[int, _StepInputs] = {}
+        # per batch size M, reused by every step of that size: the struct and the scratch tensors it points at
+        self._steps: dict[int, tuple[_StepInputs, list[torch.Tensor]]] = {}
         self._structs = (_LayerWeights * len(layers))(*(layer.struct for layer in layers))
         self._caches: tuple[tuple[int, ...], ctypes.Array, ctypes.Array] | None = None
 
@@ -100,15 +99,16 @@ class StepKernel:
             self._caches = (key, (_P * n)(*key[:n]), (_P * n)(*key[n:]))
         return self._caches[1], self._caches[2]
 
-    def _step_inputs(self, m: int) -> _StepInputs:
-        """The step struct for batch size m, its scratch pointers filled once; the caller sets the per-step fields."""
-        step = self._steps.get(m)
-        if step is None:
-            scratch = self._scratch[m] = [torch.empty(m, n) for n in self._widths]  # x, h, q, k, v, att, act
-            step = self._steps[m] = _StepInputs(embed=self._embed.data_ptr(), vocab=self._embed.shape[0], m=m,
-                                                **{name: t.data_ptr() for name, t in zip(
-                                                    ("h", "q", "k", "v", "att", "act"), scratch[1:], strict=True)})
-        return step
+    def _step_inputs(self, m: int) -> tuple[_StepInputs, list[torch.Tensor]]:
+        """The step struct for batch size m with its scratch (x, h, q, k, v, att, act), the scratch pointers filled
+        once; the caller sets the per-step fields."""
+        if m not in self._steps:
+            scratch = [torch.empty(m, n) for n in self._widths]
+            step = _StepInputs(embed=self._embed.data_ptr(), vocab=self._embed.shape[0], m=m,
+                               **{name: t.data_ptr() for name, t in zip(("h", "q", "k", "v", "att", "act"), scratch[1:],
+                                                                        strict=True)})
+            self._steps[m] = step, scratch
+        return self._steps[m]
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
             lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_caches: list[torch.Tensor],
@@ -120,11 +120,10 @@ class StepKernel:
         ints = [*(_typed(t, torch.int64, (m,)) for t in (tokens, positions, slots)),
                 _typed(tables, torch.int32, (m, tables.shape[-1])), _typed(lens, torch.int32, (m,))]
         cos, sin = _fp32(cos, (cos.shape[0], cos.shape[-1])), _fp32(sin, tuple(cos.shape))
-        step = self._step_inputs(m)
+        step, (x, *_) = self._step_inputs(m)
         step.tokens, step.positions, step.slots, step.tables, step.lens = (t.data_ptr() for t in ints)
         step.cos, step.sin, step.n_positions = cos.data_ptr(), sin.data_ptr(), cos.shape[0]
         step.block_size, step.max_blocks = k_caches[0].shape[1], tables.shape[-1]
-        x = self._scratch[m][0]
         keys, values = self._cache_arrays(k_caches, v_caches)
         logits = torch.empty(m, self._head.shape[0])
         status = library().decode_step_f32(ctypes.addressof(self._structs), len(self._layers), ctypes.addressof(step),

@@ -81,9 +81,8 @@ class DiffusionPipeline:
         n = latents.shape[0]
         if guidance_scale == 1.0:
             return self.model.unet(latents, t.expand(n), context if isinstance(context, ContextCache) else context[:n],
-                                   temb=None if temb is None else temb.expand(n, -1))
-        out = self.model.unet(torch.cat([latents, latents]), t.expand(2 * n), context,
-                              temb=None if temb is None else temb.expand(2 * n, -1))  # (2N, C, h, w)
+                                   temb=temb)
+        out = self.model.unet(torch.cat([latents, latents]), t.expand(2 * n), context, temb=temb)  # (2N, C, h, w)
         cond, uncond = out.chunk(2)
         return uncond + guidance_scale * (cond - uncond)
 

@@ -233,7 +233,8 @@ class UNet(nn.Module):
 
     def forward(self, sample: torch.Tensor, timesteps: torch.Tensor, context: Context = None, *,
                 temb: torch.Tensor | None = None) -> torch.Tensor:
-        """``temb`` (B, temb_dim), when given, is ``time_embed(timesteps)`` computed beforehand."""
+        """``temb`` (B, temb_dim), when given, is ``time_embed(timesteps)`` computed beforehand; (1, temb_dim)
+        serves a batch that shares one timestep (it broadcasts where each ResBlock adds it)."""
         b, _, h, w = sample.shape
         f = self.config.downsample_factor
         if h % f or w % f:
