@@ -11,19 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* exp(x) as 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p a degree-6 Taylor polynomial (relative error < 2e-7):
- * unlike libm's expf it vectorises under `omp simd` without -ffast-math, which would change the FPU mode of the
- * whole process. */
-static inline float exp_poly(float x) {
-    x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
-    const float n = rintf(x * 1.44269504f);
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    const float p = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
+#include "vmath.h"
 
 static inline float act(float v, int silu) { return silu ? v / (1.f + exp_poly(-v)) : v; }
 

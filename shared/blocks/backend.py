@@ -1,7 +1,7 @@
 """The single dispatch point between the building blocks and the compute that runs them.
 
 `get_backend(name=None)` returns a backend object; the name comes from the `GENSERVE_BACKEND` environment variable
-when not given: "auto" (default), "reference", "torch" or "triton". Every backend has the same seven methods (the
+when not given: "auto" (default), "reference", "torch" or "triton". Every backend has the same eight methods (the
 contract in docs/architecture.md):
 
 - attend(q, k, v, *, causal, sm_scale=None): q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D), Hq % Hkv == 0 (GQA read
@@ -13,15 +13,18 @@ contract in docs/architecture.md):
 - linear(x, weight, bias=None): y = x W^T + b, weight (N, K) as in nn.Linear;
 - conv2d(x, weight, bias=None, *, stride, padding, prepared=None): F.conv2d with dilation 1 and groups 1; `prepared`
   is the calling module's `PreparedWeights`, where a backend may keep the weight in the layout its compute wants;
-- group_norm(x, groups, weight=None, bias=None, eps=1e-5, *, silu=False): F.group_norm, then F.silu when `silu`.
+- group_norm(x, groups, weight=None, bias=None, eps=1e-5, *, silu=False): F.group_norm, then F.silu when `silu`;
+- spatial_transformer(x, block, context): a U-Net SpatialTransformer ``block`` (shared/blocks/unet.py) applied to x
+  in one fused call, or None where the backend has no fused form for x and the block runs its own ops.
 
 "reference" is the written-out math of the seed, "torch" uses fused torch ops (SDPA), "triton" calls the kernels
 package, and "auto" picks triton for CUDA tensors when triton is importable and no gradient is needed (the kernels
 are forward-only), and torch otherwise. On the CPU, "torch" runs the decode step's hot spots on the C kernels of
 the kernels package (kernels/cpu_gemv.py, kernels/cpu_paged_decode.py): matrix-vector products that stream weights
 at close to memory bandwidth where MKL does not, and paged attention in one call instead of a dozen tensor ops; and
-small convolutions on oneDNN with the weight reordered once instead of on every call (kernels/cpu_conv.py), and
-GroupNorm + SiLU in one pass over either memory layout (kernels/cpu_group_norm.py).
+small convolutions on oneDNN with the weight reordered once instead of on every call (kernels/cpu_conv.py),
+GroupNorm + SiLU in one pass over either memory layout (kernels/cpu_group_norm.py), and a U-Net's whole spatial
+transformer in one call on the BLAS sgemm (kernels/cpu_spatial_transformer.py).
 Modules hold a backend and never branch on devices themselves.
 """
 
@@ -107,6 +110,9 @@ class ReferenceBackend:
         y = F.group_norm(x, groups, weight, bias, eps)
         return F.silu(y) if silu else y
 
+    def spatial_transformer(self, x, block, context) -> torch.Tensor | None:
+        return None  # the block runs its own ops
+
 
 class TorchBackend(ReferenceBackend):
     """Fused torch ops: F.scaled_dot_product_attention with native GQA, F.rms_norm."""
@@ -170,6 +176,27 @@ class TorchBackend(ReferenceBackend):
                 return cpu_group_norm.group_norm(x, groups, weight, bias, eps, silu=silu)
         return super().group_norm(x, groups, weight, bias, eps, silu=silu)
 
+    def spatial_transformer(self, x, block, context) -> torch.Tensor | None:
+        if x.device.type != "cpu" or block.training or _needs_grad(x, block.proj_in.weight):
+            return None
+        from kernels import cpu_spatial_transformer
+
+        if not cpu_spatial_transformer.supports(x):
+            return None
+        prepared = block.prepared
+        if "params" not in prepared:
+            params = tuple(block.parameters())
+            # weights created under inference_mode track no versions, so what is derived from them could go stale
+            prepared["params"] = None if any(p.is_inference() for p in params) else params
+        if prepared["params"] is None:
+            return None
+        key = tuple((p.data_ptr(), p._version) for p in prepared["params"])
+        if prepared.get("key") != key:
+            prepared["weights"] = cpu_spatial_transformer.BlockWeights(**block.kernel_weights())
+            prepared["key"] = key
+        kv = block.text_keys_values(context)
+        return cpu_spatial_transformer.spatial_transformer(prepared["weights"], x, *(kv or ()))
+
 
 class TritonBackend:
     """The Triton kernels of the `kernels` package (imported on first use, so CPU-only imports stay light)."""
@@ -208,6 +235,9 @@ class TritonBackend:
     def group_norm(self, x, groups: int, weight=None, bias=None, eps: float = 1e-5, *, silu: bool = False):
         return ReferenceBackend.group_norm(self, x, groups, weight, bias, eps, silu=silu)
 
+    def spatial_transformer(self, x, block, context) -> torch.Tensor | None:
+        return None  # the block's own ops, on cuBLAS and the attention kernel
+
 
 class AutoBackend:
     """Triton for CUDA tensors when triton is importable, torch otherwise; decided per call from the first input."""
@@ -242,6 +272,9 @@ class AutoBackend:
 
     def group_norm(self, x, groups: int, weight=None, bias=None, eps: float = 1e-5, *, silu: bool = False):
         return self._pick(x).group_norm(x, groups, weight, bias, eps, silu=silu)
+
+    def spatial_transformer(self, x, block, context) -> torch.Tensor | None:
+        return self._pick(x).spatial_transformer(x, block, context)
 
 
 Backend = ReferenceBackend | TorchBackend | TritonBackend | AutoBackend

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shared.blocks.backend import Backend, PreparedWeights, get_backend
 from shared.blocks.conv import Conv2d, Downsample, Upsample
 from shared.blocks.cross_attention import ContextCache, CrossAttention
 from shared.blocks.ffn import GeluFFN
@@ -103,17 +104,54 @@ class TransformerBlock(nn.Module):
 
 
 class SpatialTransformer(nn.Module):
-    """Image tokens through one TransformerBlock: GroupNorm -> proj_in -> block -> proj_out, plus the input."""
+    """Image tokens through one TransformerBlock: GroupNorm -> proj_in -> block -> proj_out, plus the input. The
+    backend may run the whole of it as one fused call (on the CPU: kernels/cpu_spatial_transformer.py), keeping what
+    it derives from the weights in ``self.prepared``."""
 
-    def __init__(self, channels: int, head_dim: int, context_dim: int | None, groups: int) -> None:
+    def __init__(self, channels: int, head_dim: int, context_dim: int | None, groups: int,
+                 backend: Backend | None = None) -> None:
         super().__init__()
         self.norm = group_norm(channels, groups, eps=1e-6)
         self.proj_in = nn.Linear(channels, channels)
         self.transformer_blocks = nn.ModuleList([TransformerBlock(channels, channels // head_dim, head_dim,
                                                                   context_dim)])
         self.proj_out = nn.Linear(channels, channels)
+        self.backend = backend or get_backend()
+        self.prepared = PreparedWeights()
+
+    def kernel_weights(self) -> dict:
+        """The parameters and sizes under the argument names of kernels.cpu_spatial_transformer.BlockWeights."""
+        block = self.transformer_blocks[0]
+        attn1, attn2, ff = block.attn1, block.attn2, block.ff
+        weights = dict(
+            gn_w=self.norm.weight, gn_b=self.norm.bias, w_in=self.proj_in.weight, b_in=self.proj_in.bias,
+            ln1_w=block.norm1.weight, ln1_b=block.norm1.bias, w_q=attn1.to_q.weight, w_k=attn1.to_k.weight,
+            w_v=attn1.to_v.weight, b_q=attn1.to_q.bias, b_k=attn1.to_k.bias, b_v=attn1.to_v.bias,
+            w_o1=attn1.to_out[0].weight, b_o1=attn1.to_out[0].bias, ln3_w=block.norm3.weight, ln3_b=block.norm3.bias,
+            w_1=ff.fc1.weight, b_1=ff.fc1.bias, w_2=ff.fc2.weight, b_2=ff.fc2.bias, w_out=self.proj_out.weight,
+            b_out=self.proj_out.bias, groups=self.norm.num_groups, heads=attn1.n_heads, head_dim=attn1.head_dim,
+            gn_eps=self.norm.eps, ln_eps=(block.norm1.eps, block.norm2.eps if attn2 else 0.0, block.norm3.eps),
+            scale=attn1.head_dim**-0.5)
+        if attn2 is not None:
+            weights.update(ln2_w=block.norm2.weight, ln2_b=block.norm2.bias, w_q2=attn2.to_q.weight,
+                           b_q2=attn2.to_q.bias, w_o2=attn2.to_out[0].weight, b_o2=attn2.to_out[0].bias)
+        return weights
+
+    def text_keys_values(self, context: Context) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The cross-attention's keys and values of ``context``, each (B, M, heads * head_dim) with the heads side by
+        side, or None for a block without cross-attention."""
+        attn2 = self.transformer_blocks[0].attn2
+        if attn2 is None:
+            return None
+        if context is None:
+            raise ValueError("context is required: this U-Net was built with cross_attention_dim")
+        k, v = context.keys_values(attn2) if isinstance(context, ContextCache) else attn2.keys_values(context)
+        return k.transpose(1, 2).flatten(2), v.transpose(1, 2).flatten(2)  # (B, H, M, D) -> (B, M, H*D)
 
     def forward(self, x: torch.Tensor, context: Context) -> torch.Tensor:
+        fused = self.backend.spatial_transformer(x, self, context)
+        if fused is not None:
+            return fused
         b, c, h, w = x.shape
         tokens = self.norm(x).flatten(2).transpose(1, 2)  # (B, H*W, C)
         tokens = self.proj_in(tokens)
