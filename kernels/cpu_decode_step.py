@@ -116,6 +116,22 @@ class StepKernel:
         """tokens, positions, slots (M,) int64; tables (M, max_blocks) and lens (M,) int32 (context length including
         the token) -> logits (M, vocab). Each token's k/v go into the caches (num_blocks, block_size, Hkv, D) at
         its slot. ValueError for a token id or position outside the embedding or RoPE tables."""
+        logits, _ = self._call(None, tokens, positions, slots, tables, lens, cos, sin, k_caches, v_caches)
+        return logits
+
+    def greedy(self, steps: int, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+               tables: torch.Tensor, lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:
+        """``steps`` greedy decode steps in one call, each row's argmax fed back at its next position: the tokens
+        (M, steps) int64. Arguments as for ``run``, for the first step; ``tables`` must already hold the blocks of
+        every position up to positions + steps - 1 (ValueError otherwise, before anything is computed)."""
+        if steps < 1:
+            raise ValueError(f"decode step: steps must be >= 1, got {steps}")
+        _, out = self._call(steps, tokens, positions, slots, tables, lens, cos, sin, k_caches, v_caches)
+        return out
+
+    def _call(self, steps: int | None, tokens, positions, slots, tables, lens, cos, sin, k_caches, v_caches
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         m = tokens.shape[0]
         ints = [*(_typed(t, torch.int64, (m,)) for t in (tokens, positions, slots)),
                 _typed(tables, torch.int32, (m, tables.shape[-1])), _typed(lens, torch.int32, (m,))]
@@ -126,12 +142,18 @@ class StepKernel:
         step.block_size, step.max_blocks = k_caches[0].shape[1], tables.shape[-1]
         keys, values = self._cache_arrays(k_caches, v_caches)
         logits = torch.empty(m, self._head.shape[0])
-        status = library().decode_step_f32(ctypes.addressof(self._structs), len(self._layers), ctypes.addressof(step),
-                                           keys, values, x.data_ptr(), self._norm.data_ptr(), self._eps,
-                                           self._head.data_ptr(), self._head.shape[0], logits.data_ptr(), threads())
+        args = (ctypes.addressof(self._structs), len(self._layers), ctypes.addressof(step), keys, values,
+                x.data_ptr(), self._norm.data_ptr(), self._eps, self._head.data_ptr(), self._head.shape[0],
+                logits.data_ptr())
+        out = None
+        if steps is None:  # one step, sampled by the caller
+            status = library().decode_step_f32(*args, threads())
+        else:
+            out = torch.empty(m, steps, dtype=torch.int64)
+            status = library().decode_steps_f32(*args, steps, out.data_ptr(), threads())
         if status == -2:
-            raise ValueError(f"decode step: a token id is outside [0, {self._embed.shape[0]}) or a position outside "
-                             f"[0, {cos.shape[0]})")
+            raise ValueError(f"decode step: a token id is outside [0, {self._embed.shape[0]}), a position outside "
+                             f"[0, {cos.shape[0]}), or a block table too short for the steps")
         if status:
-            raise MemoryError("decode step: attention scratch allocation failed")
-        return logits
+            raise MemoryError("decode step: scratch allocation failed")
+        return logits, out

@@ -191,3 +191,57 @@ int decode_step_f32(const LayerWeights *layers, int64_t n_layers, const StepInpu
     }
     return failed ? -1 : 0;
 }
+
+/* The first index of the largest of n values, a NaN counting as the largest (numpy's and torch's argmax rule). */
+static int64_t argmax_row(const float *v, int64_t n) {
+    int64_t best = 0;
+    for (int64_t j = 0; j < n; j++) {
+        if (v[j] != v[j]) return j;
+        if (v[j] > v[best]) best = j;
+    }
+    return best;
+}
+
+/* n_steps greedy decode steps in a row for the same M sequences (multi-step decoding, as vLLM's multi-step
+ * scheduling): after each step every row's next token is the argmax of its logits, and it is fed back at the next
+ * position, its cache slot read from the row's block table. out_tokens (M, n_steps) receives the tokens; logits
+ * hold the last step's. The caller's block tables must already cover every position up to positions[i] +
+ * n_steps - 1; a position past a table's width returns -2 before anything is computed, and the per-step checks of
+ * decode_step_f32 apply (-1, -2). */
+int decode_steps_f32(const LayerWeights *layers, int64_t n_layers, const StepInputs *S, float *const *k_caches,
+                     float *const *v_caches, float *x, const float *norm, float eps, const float *head, int64_t vocab,
+                     float *logits, int64_t n_steps, int64_t *out_tokens, int threads) {
+    const int64_t m = S->m, bs = S->block_size;
+    for (int64_t i = 0; i < m; i++)
+        if (S->positions[i] < 0 || (S->positions[i] + n_steps - 1) / bs >= S->max_blocks) return -2;
+    int64_t *ids = malloc((size_t)(3 * m) * sizeof *ids);
+    int32_t *lens = malloc((size_t)m * sizeof *lens);
+    if (!ids || !lens) {
+        free(ids);
+        free(lens);
+        return -1;
+    }
+    StepInputs step = *S; /* the caller's arrays stay as given; this step's tokens, positions, slots are ours */
+    memcpy(ids, S->tokens, (size_t)m * sizeof *ids);
+    memcpy(ids + m, S->positions, (size_t)m * sizeof *ids);
+    memcpy(ids + 2 * m, S->slots, (size_t)m * sizeof *ids);
+    memcpy(lens, S->lens, (size_t)m * sizeof *lens);
+    step.tokens = ids, step.positions = ids + m, step.slots = ids + 2 * m, step.lens = lens;
+    int status = 0;
+    for (int64_t s = 0; s < n_steps && !status; s++) {
+        status = decode_step_f32(layers, n_layers, &step, k_caches, v_caches, x, norm, eps, head, vocab, logits,
+                                 threads);
+        for (int64_t i = 0; i < m && !status; i++) {
+            const int64_t token = argmax_row(logits + i * vocab, vocab), pos = ids[m + i] + 1;
+            out_tokens[i * n_steps + s] = token;
+            if (s + 1 == n_steps) continue;
+            ids[i] = token;
+            ids[m + i] = pos;
+            ids[2 * m + i] = (int64_t)S->tables[i * S->max_blocks + pos / bs] * bs + pos % bs;
+            lens[i] += 1;
+        }
+    }
+    free(ids);
+    free(lens);
+    return status;
+}

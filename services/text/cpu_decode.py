@@ -77,3 +77,14 @@ class CpuDecoder:
         logits = self.kernel.run(batch.input_ids, batch.positions, batch.slots, batch.decode_tables, batch.decode_lens,
                                  cos, sin, k_caches, v_caches)  # (M, V): every decode token samples
         return logits if logits.shape[0] == batch.logits_index.numel() else logits[batch.logits_index]
+
+    def greedy(self, batch: PagedBatch, steps: int, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
+               ) -> list[list[int]]:
+        """``steps`` greedy tokens for every decode token of a decode-only batch, in one kernel call: each row's
+        argmax is fed back at its next position. The batch's block tables must already cover ``steps`` positions
+        from each token's."""
+        if batch.prefills:
+            raise ValueError("CpuDecoder runs decode-only batches; prefill chunks go through forward_paged")
+        cos, sin = self.model.rope.tables()
+        return self.kernel.greedy(steps, batch.input_ids, batch.positions, batch.slots, batch.decode_tables,
+                                  batch.decode_lens, cos, sin, k_caches, v_caches).tolist()

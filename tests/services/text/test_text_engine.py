@@ -112,6 +112,57 @@ def test_eos_finishes_with_reason_eos(model):
     assert reason == "eos" and cut == ids[: ids.index(ids[4]) + 1]
 
 
+def _count_lookahead_calls(engine: LLMEngine) -> list[int]:
+    """Record the step count of every multi-step kernel call the engine makes."""
+    if engine.cpu_decoder is None:
+        pytest.skip("no working C compiler: the engine runs forward_paged only")
+    calls: list[int] = []
+    greedy = engine.cpu_decoder.greedy
+    engine.cpu_decoder.greedy = lambda batch, steps, k, v: calls.append(steps) or greedy(batch, steps, k, v)
+    return calls
+
+
+def test_greedy_lookahead_gives_the_tokens_of_single_steps_in_fewer_kernel_calls(model):
+    ps = prompts(4, seed=6)
+    params = [SamplingParams(max_tokens=m, temperature=0, stop=stop) for m, stop in
+              ((1, ()), (2, ()), (9, ()), (40, ("\n",)))]
+    single = engine_for(model, max_lookahead=1).generate_batch(ps, params)
+    engine = engine_for(model, max_lookahead=5)
+    calls = _count_lookahead_calls(engine)
+    assert engine.generate_batch(ps, params) == single
+    assert calls and max(calls) == 5 and all(1 < c <= 5 for c in calls)
+    assert engine.kv_blocks_free == engine.cache.manager.num_blocks
+    # EOS in the middle of a multi-step run: the tokens after it are dropped.
+    _, ids, _ = single[3]
+    engine.eos_ids = frozenset({ids[6]})
+    _, cut, reason = engine.generate_batch([ps[3]], params[3])[0]
+    assert reason == "eos" and cut == ids[: ids.index(ids[6]) + 1]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=12, temperature=0.8, seed=1),
+                                    SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.3),
+                                    SamplingParams(max_tokens=12, temperature=0, logprobs=2)])
+def test_lookahead_only_runs_plain_greedy_requests(model, params):
+    engine = engine_for(model)
+    calls = _count_lookahead_calls(engine)
+    engine.generate_batch(prompts(2, seed=7), params)
+    assert calls == []
+
+
+def test_lookahead_waits_while_requests_queue_for_admission(model):
+    engine = engine_for(model, max_running=1)
+    calls = _count_lookahead_calls(engine)
+    params = SamplingParams(max_tokens=10, temperature=0)
+    engine.add_request("first", prompts(1, seed=8)[0], params, lambda d: None)
+    engine.add_request("second", prompts(1, seed=9)[0], params, lambda d: None)
+    while "second" in {s.request_id for s in engine.scheduler.waiting}:
+        engine.step()
+    assert calls == []  # the first request ran token by token while the second waited
+    while engine.has_work():
+        engine.step()
+    assert calls
+
+
 def test_logprobs_are_the_model_distribution(model):
     engine = engine_for(model)
     prompt = prompts(1, seed=5)[0]

@@ -80,7 +80,7 @@ def test_fused_cpu_decode_steps_match_forward_paged(checkpoint):
     if not cpu_decode_step.available():
         pytest.skip("no working C compiler: the engine runs forward_paged only")
     arch, _, directory = checkpoint
-    engine = make_engine(directory, block_size=4)
+    engine = make_engine(directory, block_size=4, max_lookahead=1)  # one kernel call per step, each compared
     fused = engine.cpu_decoder
     assert fused is not None
     diffs: list[float] = []
@@ -116,3 +116,7 @@ def test_fused_cpu_decode_refuses_ids_and_positions_outside_its_tables(checkpoin
         kernel.run(torch.tensor([model.config.vocab_size]), one, **args)
     with pytest.raises(ValueError, match="position"):
         kernel.run(one, torch.tensor([cos.shape[0]]), **args)
+    # Greedy multi-step: 4 steps from position 0 need one block of 4 tokens, 5 steps a second one the table lacks.
+    assert kernel.greedy(4, one, one * 0, **args).shape == (1, 4)
+    with pytest.raises(ValueError, match="block table"):
+        kernel.greedy(5, one, one * 0, **args)
