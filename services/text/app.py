@@ -147,7 +147,9 @@ class TextGeneration:
     async def _deltas(self, prompt_ids: list[int], params: SamplingParams, method: str) -> AsyncIterator[Delta]:
         """The engine's deltas as they come; closing this generator aborts the request in the engine."""
         start, first = time.perf_counter(), True
-        async with contextlib.aclosing(self.engine.stream(prompt_ids, params, uuid.uuid4().hex)) as stream:
+        live = method == "GenerateStream"  # a unary reply is read whole: its tokens may come in lookahead bursts
+        async with contextlib.aclosing(self.engine.stream(prompt_ids, params, uuid.uuid4().hex,
+                                                          interactive=live)) as stream:
             async for delta in stream:
                 if first and delta.token_ids:
                     self.metrics.first_token(method, time.perf_counter() - start)

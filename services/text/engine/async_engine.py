@@ -94,11 +94,12 @@ class AsyncLLMEngine:
             self._thread.join(timeout=10)
 
     # ---- requests -------------------------------------------------------------------------------------------
-    async def stream(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
-                     ) -> AsyncIterator[Delta]:
+    async def stream(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, *,
+                     interactive: bool = True) -> AsyncIterator[Delta]:
         """Yield a ``Delta`` per produced token as soon as the engine produces it; the last carries the
         finish_reason. Closing the iterator early (``aclose``, task cancellation) aborts the request. A model
-        failure raises RuntimeError (never a traceback in a delta)."""
+        failure raises RuntimeError (never a traceback in a delta). ``interactive=False`` (a consumer that only
+        wants the whole reply) lets greedy requests run lookahead steps (``LLMEngine.add_request``)."""
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Delta] = asyncio.Queue()
@@ -109,7 +110,7 @@ class AsyncLLMEngine:
             except RuntimeError:  # the consumer's loop is gone; nobody is listening
                 pass
 
-        self.engine.add_request(request_id, prompt_ids, params, on_delta)
+        self.engine.add_request(request_id, prompt_ids, params, on_delta, interactive=interactive)
         self._notify()
         finished = False
         try:

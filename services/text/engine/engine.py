@@ -71,8 +71,10 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    on_delta: Callable[[Delta], None]) -> None:
-        """Queue a request; raises PromptTooLong, EngineOverloaded, or ValueError (empty prompt, duplicate id)."""
+                    on_delta: Callable[[Delta], None], *, interactive: bool = False) -> None:
+        """Queue a request; raises PromptTooLong, EngineOverloaded, or ValueError (empty prompt, duplicate id).
+        ``interactive``: a consumer that shows tokens as they come (a live stream) gets every token the moment it
+        exists, never in lookahead bursts (see ``_lookahead``)."""
         if not prompt_ids:
             raise ValueError("prompt must hold at least one token")
         vocab = self.model.config.vocab_size
@@ -88,7 +90,7 @@ class LLMEngine:
             request_id=request_id, prompt_ids=list(prompt_ids), params=params,
             generator=make_generator(params.seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer.decode, prompt_ids),
-            stopper=StopChecker(params.stop), on_delta=on_delta, arrival=next(self._arrivals))
+            stopper=StopChecker(params.stop), on_delta=on_delta, arrival=next(self._arrivals), interactive=interactive)
         with self.lock:
             if request_id in self._seqs:
                 raise ValueError(f"request_id {request_id!r} is already running")
@@ -165,12 +167,12 @@ class LLMEngine:
     def _lookahead(self, chunks: list[ScheduledChunk]) -> int:
         """How many decode steps this batch runs in one fused kernel call, with the blocks for the extra positions
         reserved here; 1 is an ordinary step. Several only when they cannot change what anyone receives: every
-        chunk a decode token of a plain greedy request (no penalties, no logprobs), nobody waiting to be admitted,
-        and no sequence due to stop on length or context sooner. A sequence that stops early on EOS or a stop
-        string drops the tokens after it, so its output is the same as step by step; its stream arrives in
-        bursts of up to ``config.max_lookahead`` tokens."""
+        chunk a decode token of a plain greedy request (no penalties, no logprobs) that nobody watches token by
+        token (not ``interactive``), nobody waiting to be admitted, and no sequence due to stop on length or
+        context sooner. A sequence that stops early on EOS or a stop string drops the tokens after it, so its
+        output is the same as step by step; its deltas arrive in bursts of up to ``config.max_lookahead``."""
         if (self.cpu_decoder is None or self.scheduler.waiting or len(chunks) > CpuDecoder.max_tokens
-                or any(c.length != 1 or not c.seq.params.greedy or c.seq.params.has_penalties
+                or any(c.length != 1 or c.seq.interactive or not c.seq.params.greedy or c.seq.params.has_penalties
                        or c.seq.params.logprobs for c in chunks)):
             return 1
         steps = min(self.config.max_lookahead, *(min(c.seq.params.max_tokens - len(c.seq.output_ids),

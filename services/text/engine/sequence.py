@@ -25,6 +25,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     finish_reason: str | None = None
     arrival: int = 0  # admission order: later arrivals are preempted first
+    interactive: bool = False  # its consumer shows tokens as they come: every token leaves the engine at once
 
     @property
     def tokens(self) -> list[int]:

@@ -149,6 +149,17 @@ def test_lookahead_only_runs_plain_greedy_requests(model, params):
     assert calls == []
 
 
+def test_interactive_requests_get_every_token_from_its_own_step(model):
+    engine = engine_for(model)
+    calls = _count_lookahead_calls(engine)
+    steps_with_tokens = []
+    engine.add_request("live", prompts(1, seed=10)[0], SamplingParams(max_tokens=12, temperature=0),
+                       lambda d: steps_with_tokens.append(len(d.token_ids)), interactive=True)
+    while engine.has_work():
+        engine.step()
+    assert calls == [] and steps_with_tokens == [1] * 12
+
+
 def test_lookahead_waits_while_requests_queue_for_admission(model):
     engine = engine_for(model, max_running=1)
     calls = _count_lookahead_calls(engine)
