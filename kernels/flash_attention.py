@@ -29,7 +29,7 @@ from kernels._runtime import dot_precision, interpreting, upcast_for_interpreter
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
 # A running maximum that starts finite: a fully masked block then yields exp2(-inf - m) = 0, never NaN.
-_M_INIT = tl.constexpr(-1.0e30)
+M_INIT = tl.constexpr(-1.0e30)
 
 # Hopper (sm_90) candidates: 128-row query tiles keep the wgmma units busy; 3 stages of K/V tiles fit 228 KB smem.
 HOPPER_CONFIGS = [
@@ -45,6 +45,21 @@ _MAX_TILE_REGS_PER_THREAD = 64
 _SM90_SHARED_BYTES = 232448
 # The interpreter runs one program at a time in numpy: fewer, larger tiles are faster there.
 INTERPRET_CONFIG = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64})
+
+
+@triton.jit
+def online_softmax_step(qk, qk_scale, m_i, l_i, acc, v, DOT_PRECISION: tl.constexpr):
+    """Algorithm 3, steps 8-10, for one block of raw scores qk (rows, BLOCK_N), masked entries -inf, in base 2
+    (qk_scale includes log2 e): m_new = max(m, rowmax(S) * scale), then the running sums l and the unnormalised
+    output rescaled by exp2(m - m_new) plus this block's exp2(S * scale - m_new) and its product with V.
+    Returns (acc, l, m_new). Shared by this kernel and the paged decode kernel."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
 
 
 @triton.jit
@@ -76,15 +91,8 @@ def _attend_kv_blocks(
             if CAUSAL:
                 keep = keep & (cols[None, :] <= offs_m[:, None] + causal_offset)
             qk = tl.where(keep, qk, float("-inf"))
-        # -- m_new = max(m, rowmax(S_ij)) (step 8) --
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        # -- rescale the partial sums by exp(m_old - m_new), add exp(S_ij - m_new) V_j (step 9) and l (step 10) --
-        p = tl.exp2(qk * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+        # -- new maxima, rescaled partial sums, plus exp(S_ij - m_new) V_j (steps 8-10) --
+        acc, l_i, m_i = online_softmax_step(qk, qk_scale, m_i, l_i, acc, v, DOT_PRECISION)
     return acc, l_i, m_i
 
 
@@ -141,7 +149,7 @@ def _flash_attention_fwd_kernel(
         q = q.to(tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], _M_INIT, dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], M_INIT, dtype=tl.float32)
 
     # -- the key range: [0, n_full) needs no score mask, [n_full, hi) crosses the diagonal or the end --
     causal_offset = seqlen_k - seqlen_q

@@ -22,10 +22,8 @@ import triton
 import triton.language as tl
 
 from kernels._runtime import dot_precision, interpreting, sm_count, upcast_for_interpreter
+from kernels.flash_attention import LOG2E, M_INIT, MAX_HEAD_DIM, online_softmax_step
 
-LOG2E = 1.4426950408889634
-MAX_HEAD_DIM = 256
-_M_INIT = tl.constexpr(-1.0e30)
 # Splits cover a multiple of this many tokens, a multiple of every BLOCK_N below, so tiles never straddle splits.
 _SPLIT_GRANULE = 256
 # Below this many tokens per split the merge step costs more than the parallelism it buys.
@@ -78,7 +76,7 @@ def _paged_decode_kernel(
         q = q.to(tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    m_i = tl.full([GROUP_PAD], _M_INIT, dtype=tl.float32)
+    m_i = tl.full([GROUP_PAD], M_INIT, dtype=tl.float32)
 
     table = block_tables + b64 * stride_bt
     k_head = K_cache + kv_h.to(tl.int64) * stride_kh
@@ -104,13 +102,7 @@ def _paged_decode_kernel(
         # -- scores in log2 units, then the online-softmax update of Algorithm 3 (steps 7-10) --
         qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)
         qk = tl.where(tok_ok[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.exp2(qk * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, l_i, m_i = online_softmax_step(qk, qk_scale, m_i, l_i, acc, v, DOT_PRECISION)
 
     if SINGLE_SPLIT:
         # -- the whole context was ours: normalise and write; an empty context gives zeros --
@@ -143,7 +135,7 @@ def _merge_splits_kernel(
     split_ok = offs_s < num_splits
     d_ok = offs_d < HEAD_DIM
     # -- O = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s with m = max_s m_s; empty splits have l_s = 0 --
-    m_s = tl.load(part_m + b * stride_pmb + h * stride_pmh + offs_s, mask=split_ok, other=_M_INIT)
+    m_s = tl.load(part_m + b * stride_pmb + h * stride_pmh + offs_s, mask=split_ok, other=M_INIT)
     l_s = tl.load(part_l + b * stride_pmb + h * stride_pmh + offs_s, mask=split_ok, other=0.0)
     acc_s = tl.load(
         part_acc + b * stride_pab + h * stride_pah + offs_s[:, None] * stride_pas + offs_d[None, :],
