@@ -8,7 +8,8 @@
 (c) roofline at batch 1: weight bytes read per decode step against a copy bandwidth measured in the same run, right
     before each system's decode run (this machine's bandwidth moves by tens of percent from minute to minute).
 bf16 and int8 weight-only engines are benched as well, with the perplexity change they cause on the demo model's
-validation text.
+validation text. The engines run with their default EngineConfig.max_lookahead (greedy multi-step decoding: up to
+8 decode steps per fused fp32 CPU kernel call; ``--max-lookahead 1`` measures one step per call).
 Prints medians with min-max over ``--repeats`` runs and the ratios against HF.
 """
 
@@ -62,9 +63,9 @@ def hf_checkpoint(cfg: dict, directory: Path):
     return model
 
 
-def engine_for(directory: Path, dtype: str) -> LLMEngine:
-    return LLMEngine(load_model(directory, dtype), NullTokenizer(), EngineConfig(block_size=16,
-                                                                                max_batched_tokens=512))
+def engine_for(directory: Path, dtype: str, max_lookahead: int) -> LLMEngine:
+    return LLMEngine(load_model(directory, dtype), NullTokenizer(),
+                     EngineConfig(block_size=16, max_batched_tokens=512, max_lookahead=max_lookahead))
 
 
 def stats(xs: list[float]) -> tuple[float, float, float]:
@@ -196,13 +197,15 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--small", action="store_true", help="a tiny config, to smoke-test the script")
     parser.add_argument("--clock", choices=sorted(_CLOCKS), default="wall")
+    parser.add_argument("--max-lookahead", type=int, default=EngineConfig.max_lookahead,
+                        help="greedy decode steps per fused kernel call (1: one step per call)")
     args = parser.parse_args()
     _clock[0] = _CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
     cfg = SMALL if args.small else FULL
     with tempfile.TemporaryDirectory() as tmp:
         hf = hf_checkpoint(cfg, Path(tmp))
-        engines = {f"engine {short}": engine_for(Path(tmp), dtype)
+        engines = {f"engine {short}": engine_for(Path(tmp), dtype, args.max_lookahead)
                    for short, dtype in (("fp32", "float32"), ("bf16", "bfloat16"), ("int8", "int8"))}
     prompt = torch.randint(1, cfg["vocab_size"], (PROMPT_LEN,), generator=torch.Generator().manual_seed(1)).tolist()
     prompts, budgets = mixed_requests(cfg["vocab_size"])
@@ -226,7 +229,8 @@ def main() -> int:
             ttft[name].append(firsts)
 
     hf_dec, hf_conc = stats(decode["HF fp32"])[0], stats(conc["HF fp32"])[0]
-    print(f"config: {cfg}, fp32 checkpoint, {args.threads} threads, {args.repeats} repeats, {args.clock} clock; "
+    print(f"config: {cfg}, fp32 checkpoint, {args.threads} threads, {args.repeats} repeats, {args.clock} clock, "
+          f"engine max_lookahead {args.max_lookahead}; "
           f"copy bandwidth {fmt([b for v in bandwidth.values() for b in v], ' GB/s')}")
     print(f"{'system':<12} | {'(a) b=1 decode tok/s':<26} | {'x HF':>5} | {'(b) 16-mixed tok/s':<26} | {'x HF':>5} | "
           f"{'TTFT p50 s':>10} | {'TTFT p99 s':>10} | {'(c) % roofline':>14}")
