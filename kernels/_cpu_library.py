@@ -39,7 +39,12 @@ _SIGNATURES = {
     "decode_steps_f32": [_PTR, _I64] + [_PTR] * 5 + [_F32, _PTR, _I64, _PTR, _I64, _PTR, _INT],
     # x, gamma, beta, y, b, c, hw, groups, eps, channels_last, silu
     "group_norm_f32": [_PTR] * 4 + [_I64] * 4 + [_F32] + [_INT] * 2,
+    # block weights, block inputs, the address of a BLAS sgemm_
+    "spatial_transformer_f32": [_PTR] * 3,
+    # block weights, block inputs -> the scratch floats spatial_transformer_f32 needs
+    "spatial_transformer_work_f32": [_PTR] * 2,
 }
+_SIZE_RETURNING = {"spatial_transformer_work_f32"}  # return an int64 size instead of a 0 / error status
 
 
 def _cpu_signature() -> str:
@@ -75,7 +80,8 @@ def _build() -> Path:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The loaded kernels (each returns 0 on success), or None where they cannot be built here."""
+    """The loaded kernels (each returns 0 on success, except the size queries), or None where they cannot be built
+    here."""
     try:
         lib = ctypes.CDLL(str(_build()))
     except (OSError, subprocess.CalledProcessError) as err:
@@ -83,7 +89,7 @@ def library() -> ctypes.CDLL | None:
         return None
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        fn.argtypes, fn.restype = argtypes, _I64 if name in _SIZE_RETURNING else ctypes.c_int
     return lib
 
 

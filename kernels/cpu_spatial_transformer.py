@@ -44,19 +44,8 @@ def _sgemm() -> int | None:
         return None
 
 
-@functools.cache
-def _kernel() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
-    lib = library()
-    if lib is None or _sgemm() is None:
-        return None
-    run, work = lib.spatial_transformer_f32, lib.spatial_transformer_work_f32
-    run.argtypes, run.restype = [_P, _P, _P], ctypes.c_int
-    work.argtypes, work.restype = [_P, _P], _I64
-    return run, work
-
-
 def available() -> bool:
-    return _kernel() is not None
+    return library() is not None and _sgemm() is not None
 
 
 def supports(x: torch.Tensor) -> bool:
@@ -132,9 +121,9 @@ def spatial_transformer(weights: BlockWeights, x: torch.Tensor, k_txt: torch.Ten
     inputs = _BlockInputs(x=x.data_ptr(), k_txt=None if k_txt is None else k_txt.data_ptr(),
                           v_txt=None if v_txt is None else v_txt.data_ptr(), y=y.data_ptr(), batch=b, hw=h * w,
                           ctx_len=ctx_len, channels_last=not x.is_contiguous())
-    run, work_size = _kernel()
-    work = torch.empty(work_size(ctypes.byref(weights.struct), ctypes.byref(inputs)))
+    lib = library()
+    work = torch.empty(lib.spatial_transformer_work_f32(ctypes.byref(weights.struct), ctypes.byref(inputs)))
     inputs.work = work.data_ptr()
-    if run(ctypes.byref(weights.struct), ctypes.byref(inputs), _sgemm()):
+    if lib.spatial_transformer_f32(ctypes.byref(weights.struct), ctypes.byref(inputs), _sgemm()):
         raise MemoryError("spatial transformer: GroupNorm scratch allocation failed")
     return y
