@@ -177,12 +177,8 @@ class LLMEngine:
             return 1
         steps = min(self.config.max_lookahead, *(min(c.seq.params.max_tokens - len(c.seq.output_ids),
                                          self.max_context - c.seq.num_tokens) for c in chunks))
-        blocks = self.scheduler.blocks
-        needed = sum(blocks.blocks_needed(c.seq.request_id, c.seq.num_tokens + steps - 1) for c in chunks)
-        if steps <= 1 or needed > blocks.num_free:
+        if steps <= 1 or not self.scheduler.reserve_ahead([c.seq for c in chunks], steps - 1):
             return 1
-        for c in chunks:
-            blocks.grow(c.seq.request_id, c.seq.num_tokens + steps - 1)
         return steps
 
     def _greedy_steps(self, batch: PagedBatch, chunks: list[ScheduledChunk], steps: int) -> int:

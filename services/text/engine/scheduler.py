@@ -93,6 +93,16 @@ class Scheduler:
         self.blocks.grow(seq.request_id, seq.num_tokens)
         return True
 
+    def reserve_ahead(self, seqs: list[Sequence], extra: int) -> bool:
+        """Slots for ``extra`` more tokens past each sequence's newest (lookahead decode steps), taken only when the
+        free list holds all of them: nobody is preempted for a lookahead. False, and nothing reserved, otherwise."""
+        needed = sum(self.blocks.blocks_needed(s.request_id, s.num_tokens + extra) for s in seqs)
+        if needed > self.blocks.num_free:
+            return False
+        for s in seqs:
+            self.blocks.grow(s.request_id, s.num_tokens + extra)
+        return True
+
     def schedule(self) -> list[ScheduledChunk]:
         """The chunks to compute this step; sequences that can never fit land in ``self.overflowed``."""
         self.overflowed = []
