@@ -7,8 +7,8 @@
   norm and the LM head) and `cpu_group_norm` (GroupNorm + SiLU for the image models).
 - `cpu_conv`: small convolutions on oneDNN with the weight reordered once, not on every call.
 
-Model code never imports this package: `shared/blocks/backend.py` calls the per-op kernels, and the text engine
-(`services/text/cpu_decode.py`) the fused step.
+Model code never imports this package: `shared/blocks/backend.py` calls the per-op kernels, and the text engine's
+CPU runner (`services/text/runners/cpu.py`) the fused step.
 """
 
 from kernels.flash_attention import flash_attention

@@ -6,7 +6,8 @@ HBM traffic is therefore Theta(N^2 d^2 / M) (Proposition 2): the N x N score mat
 
 Choices that the algorithm leaves open:
 - GQA/MQA is native: query head h reads KV head h // (Hq // Hkv); K and V are never expanded.
-- Causal masking is bottom-right aligned (query i sees keys j <= i + Nk - Nq), so chunked prefill with Nq < Nk works.
+- Causal masking is bottom-right aligned (query i sees keys j <= i + Nk - Nq), so chunked prefill with Nq < Nk works;
+  a sliding window (Mistral) adds the lower edge j > i + Nk - Nq - window and starts the key loop at it.
 - The softmax runs in base 2: log2(e) is folded into the scale, so each score costs one FMA and one exp2.
 - The key loop runs in two phases: blocks wholly visible to every query row skip the score mask; only the blocks
   that cross the causal diagonal or the end of the keys pay for it.
@@ -66,9 +67,10 @@ def online_softmax_step(qk, qk_scale, m_i, l_i, acc, v, DOT_PRECISION: tl.conste
 def _attend_kv_blocks(
     acc, l_i, m_i, q,
     k_base, v_base, stride_kn, stride_vn,
-    offs_m, offs_d, offs_dv, lo, hi, seqlen_k, causal_offset, qk_scale,
+    offs_m, offs_d, offs_dv, lo, hi, seqlen_k, causal_offset, window, qk_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK_SCORES: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK_SCORES: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
@@ -90,6 +92,8 @@ def _attend_kv_blocks(
             keep = col_ok[None, :]
             if CAUSAL:
                 keep = keep & (cols[None, :] <= offs_m[:, None] + causal_offset)
+            if WINDOW:
+                keep = keep & (cols[None, :] > offs_m[:, None] + causal_offset - window)
             qk = tl.where(keep, qk, float("-inf"))
         # -- new maxima, rescaled partial sums, plus exp(S_ij - m_new) V_j (steps 8-10) --
         acc, l_i, m_i = online_softmax_step(qk, qk_scale, m_i, l_i, acc, v, DOT_PRECISION)
@@ -103,9 +107,10 @@ def _flash_attention_fwd_kernel(
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
-    n_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, seq_bucket,
+    n_q_heads, group_size, seqlen_q, seqlen_k, window, qk_scale, seq_bucket,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # seq_bucket only keys the autotuner: configs are tuned per power-of-two length band, not per length.
@@ -151,25 +156,31 @@ def _flash_attention_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], M_INIT, dtype=tl.float32)
 
-    # -- the key range: [0, n_full) needs no score mask, [n_full, hi) crosses the diagonal or the end --
+    # -- the key range: [lo, n_full) needs no score mask, [n_full, hi) crosses the diagonal or the end --
     causal_offset = seqlen_k - seqlen_q
     n_full = (seqlen_k // BLOCK_N) * BLOCK_N
     hi = seqlen_k
+    lo = 0
     if CAUSAL:
         hi = tl.minimum(seqlen_k, start_m + BLOCK_M + causal_offset)
         first_row_sees = tl.maximum(start_m + causal_offset + 1, 0)
         n_full = tl.minimum(n_full, (first_row_sees // BLOCK_N) * BLOCK_N)
+    if WINDOW:
+        # A sliding window has a second diagonal edge: start at the first block the first row sees, and mask every
+        # block (the two edges leave few blocks that every row sees whole).
+        lo = (tl.maximum(start_m + causal_offset - window + 1, 0) // BLOCK_N) * BLOCK_N
+        n_full = lo
 
     # -- stream the key/value blocks (step 5) --
     acc, l_i, m_i = _attend_kv_blocks(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
-        offs_m, offs_d, offs_dv, 0, n_full, seqlen_k, causal_offset, qk_scale,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, UPCAST, DOT_PRECISION,
+        offs_m, offs_d, offs_dv, lo, n_full, seqlen_k, causal_offset, window, qk_scale,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, WINDOW, UPCAST, DOT_PRECISION,
     )
     acc, l_i, m_i = _attend_kv_blocks(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
-        offs_m, offs_d, offs_dv, n_full, hi, seqlen_k, causal_offset, qk_scale,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, UPCAST, DOT_PRECISION,
+        offs_m, offs_d, offs_dv, n_full, hi, seqlen_k, causal_offset, window, qk_scale,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, WINDOW, UPCAST, DOT_PRECISION,
     )
 
     # -- O_i = acc / l, written back to HBM (step 11); a row that sees no key gets zeros --
@@ -198,7 +209,7 @@ def hopper_configs(block_d: int, block_dv: int) -> list[triton.Config]:
 
 @functools.cache
 def _tuned_kernel(block_d: int, block_dv: int) -> triton.runtime.Autotuner:
-    return triton.autotune(configs=hopper_configs(block_d, block_dv), key=["CAUSAL", "VARLEN", "seq_bucket"])(
+    return triton.autotune(configs=hopper_configs(block_d, block_dv), key=["CAUSAL", "WINDOW", "VARLEN", "seq_bucket"])(
         _flash_attention_fwd_kernel
     )
 
@@ -241,8 +252,11 @@ def flash_attention(
     cu_seqlens_q: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """softmax(q k^T * sm_scale [+ causal mask]) v, computed by Algorithm 3 without materialising the scores.
+    With ``window`` > 0 (causal only) query i also sees no key more than ``window`` - 1 positions before its own:
+    i - window < j <= i in absolute positions (Mistral's sliding window, shared/blocks/masks.py).
 
     Padded form: q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) -> o (B, Hq, Nq, Dv).
     Packed (varlen) form: q (total_q, Hq, D), k/v (total_k, Hkv, D/Dv) with int32 `cu_seqlens_q`/`cu_seqlens_k` of
@@ -255,6 +269,8 @@ def flash_attention(
     if varlen != (cu_seqlens_k is not None):
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
     _check_inputs(q, k, v, varlen)
+    if window < 0 or (window and not causal):
+        raise ValueError(f"window must be >= 0 and needs causal attention; got window={window}, causal={causal}")
     q, k, v = _unit_stride_last(q), _unit_stride_last(k), _unit_stride_last(v)
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
@@ -285,12 +301,13 @@ def flash_attention(
 
     args = (
         q, k, v, o, cu_q, cu_k, *q_strides, *k_strides, *v_strides, *o_strides,
-        n_q_heads, n_q_heads // n_kv_heads, seqlen_q, seqlen_k, sm_scale * LOG2E,
+        n_q_heads, n_q_heads // n_kv_heads, seqlen_q, seqlen_k, window, sm_scale * LOG2E,
         _seq_bucket(max_seqlen_q),
     )
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     meta = dict(
-        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=causal, VARLEN=varlen,
+        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=causal,
+        WINDOW=window > 0, VARLEN=varlen,
         UPCAST=upcast_for_interpreter(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
     )
 

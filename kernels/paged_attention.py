@@ -48,7 +48,7 @@ def _paged_decode_kernel(
     stride_ob, stride_oh,
     stride_pab, stride_pah, stride_pas,
     stride_pmb, stride_pmh,
-    group_size, qk_scale, tokens_per_split,
+    group_size, qk_scale, tokens_per_split, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -62,6 +62,9 @@ def _paged_decode_kernel(
     start = split * tokens_per_split
     end = tl.minimum(context_len, start + tokens_per_split)
     end = tl.where(split == tl.num_programs(2) - 1, context_len, end)
+    if window > 0:
+        # Mistral's sliding window: only the last `window` keys, the query's own included; earlier splits go empty.
+        start = tl.maximum(start, context_len - window)
 
     # -- the query heads of this KV group, (GROUP_PAD, D); padding rows load as zeros and are never stored --
     offs_g = tl.arange(0, GROUP_PAD)
@@ -197,8 +200,10 @@ def paged_decode_attention(
     sm_scale: float | None = None,
     max_context_len: int | None = None,
     num_splits: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """softmax(q K_b^T * sm_scale) V_b for each sequence b's cached keys/values -> o (B, Hq, D).
+    """softmax(q K_b^T * sm_scale) V_b for each sequence b's cached keys/values -> o (B, Hq, D); with ``window`` > 0
+    only the last ``window`` keys of each sequence (Mistral's sliding window).
 
     `max_context_len` is the expected longest context, used only to choose the split count (a wrong value costs
     speed, not correctness); by default it is the block table's capacity (max_blocks * block_size), which needs no
@@ -206,6 +211,8 @@ def paged_decode_attention(
     Sequences with context length 0 produce zeros.
     """
     _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    if window < 0:
+        raise ValueError(f"window must be >= 0, got {window}")
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -244,7 +251,7 @@ def paged_decode_attention(
         o.stride(0), o.stride(1),
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
         part_m.stride(0), part_m.stride(1),
-        group_size, sm_scale * LOG2E, tokens_per_split,
+        group_size, sm_scale * LOG2E, tokens_per_split, window,
     )
     block_d = max(16, triton.next_power_of_2(head_dim))
     meta = dict(

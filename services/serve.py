@@ -21,10 +21,11 @@ from typing import Any
 
 import yaml
 
+from services.common import ray_adapter
 from services.common.deploy_config import GRPC_PORT, HEALTH_PORT, HTTP_PORT, LOCAL_PATH
 
-# The traps in ../shared/notes/ray-serve-grpc.md: Ray must bind 127.0.0.1, must not switch on token auth (a
-# second driver could not connect), and must not phone home (no network here).
+# Ray must bind 127.0.0.1, must not switch on token auth (a second driver could not connect), and must not phone
+# home (no network here).
 RAY_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_AUTH_MODE": "disabled",
@@ -80,23 +81,12 @@ def load_config(args: argparse.Namespace) -> dict[str, Any]:
 
 def start(args: argparse.Namespace, config: dict[str, Any]) -> None:
     """Start a fresh local Ray (never join another stack's) and submit the config."""
-    import ray
-    from ray.serve._private.api import serve_start
-    from ray.serve.config import gRPCOptions
-    from ray.serve.schema import ServeDeploySchema
-
-    schema = ServeDeploySchema.model_validate(config)
-    ray.init(
-        address="local", num_cpus=args.num_cpus, include_dashboard=args.dashboard,
+    ray_adapter.init_local_ray(
+        metrics_port=args.metrics_port, num_cpus=args.num_cpus, include_dashboard=args.dashboard,
         dashboard_port=args.dashboard_port, log_to_driver=args.verbose, namespace="genserve",
-        object_store_memory=512 * 2**20, _metrics_export_port=args.metrics_port, _node_ip_address="127.0.0.1",
+        object_store_memory=512 * 2**20,
     )
-    # The same two calls `serve run CONFIG` makes, without its CLI (and without needing the dashboard).
-    client = serve_start(
-        http_options=schema.http_options.model_dump(), proxy_location=schema.proxy_location,
-        grpc_options=gRPCOptions(**schema.grpc_options.model_dump()),
-    )
-    client.deploy_apps(schema, _blocking=False)
+    ray_adapter.deploy_config(config)
 
 
 def wait_ready(names: list[str], timeout: float) -> None:

@@ -17,3 +17,18 @@ def _seed_everything() -> None:
     random.seed(0)
     np.random.seed(0)
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def cpu_kernels():
+    """The C kernels, loaded. Skips only where they cannot exist (no C compiler, or GENSERVE_CPU_KERNELS=off);
+    where a compiler exists a failed build fails the test, so a broken build never shows green."""
+    from kernels import _cpu_library
+
+    lib = _cpu_library.library()
+    if lib is None:
+        status = _cpu_library.status()
+        if _cpu_library.compiler() is None or status.reason.startswith("disabled"):
+            pytest.skip(f"CPU kernels unavailable here: {status.reason}")
+        pytest.fail(f"a C compiler exists but the CPU kernels did not build: {status.reason}")
+    return lib

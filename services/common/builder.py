@@ -1,7 +1,8 @@
 """The app builder: what a serve config's `import_path: services.<svc>.app:build` and `args:` turn into.
 
-Every app takes the same arguments: `model_dir` (a checkpoint directory; when empty, the env var
-GENSERVE_<SVC>_MODEL, and when that is unset too, the model's committed demo weights).
+Every app takes `model_dir` (a checkpoint directory; when empty, the env var GENSERVE_<SVC>_MODEL, and when that is
+unset too, the model's committed demo weights); an app with settings of its own extends `AppArgs` (the text app:
+services/text/settings.py). Unknown or invalid args fail the deploy with the field named.
 """
 
 from __future__ import annotations
@@ -29,9 +30,14 @@ def resolve_model_dir(service: str, configured: str | None) -> str | None:
     return configured or os.environ.get(model_dir_env(service)) or None
 
 
-def build_app(service: str, deployment: Deployment, args: dict[str, Any] | None) -> Application:
-    parsed = AppArgs.model_validate(args or {})
-    return deployment.bind(resolve_model_dir(service, parsed.model_dir))
+def build_app(service: str, deployment: Deployment, args: dict[str, Any] | None,
+              args_model: type[AppArgs] = AppArgs) -> Application:
+    """Bind `deployment` to its model directory, and to its validated settings when `args_model` has more."""
+    parsed = args_model.model_validate(args or {})
+    model_dir = resolve_model_dir(service, parsed.model_dir)
+    if args_model is AppArgs:
+        return deployment.bind(model_dir)
+    return deployment.bind(model_dir, parsed)
 
 
 def handle_to(app_name: str) -> Any:

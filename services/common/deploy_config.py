@@ -51,6 +51,7 @@ class AppSpec:
     target_ongoing_requests: float
     max_ongoing_requests: int
     max_queued_requests: int
+    settings: tuple[tuple[str, Any], ...] = ()  # the app's own `args` beside model_dir (services/text/settings.py)
 
     def __post_init__(self) -> None:
         if not 0 < self.min_replicas <= self.max_replicas:
@@ -61,14 +62,20 @@ class AppSpec:
 
 # Per-request cost sets the numbers: a text replica batches many streams (continuous batching), a diffusion
 # request holds a replica for many U-Net steps, GAN/VAE calls are a single cheap forward pass.
+# The text engine's settings per target (docs/deploy.md): on a 2-core CPU, the CPU runner's lookahead and the default
+# KV budget; on an H100/H200, bf16, a KV cache of 35% of the memory left after the weights (text replicas may
+# share a GPU with each other and the image apps), large batches and CUDA graphs.
+LOCAL_TEXT_SETTINGS = (("dtype", "auto"), ("max_batched_tokens", 512), ("max_running", 64), ("max_lookahead", 8))
+GPU_TEXT_SETTINGS = (("dtype", "bfloat16"), ("kv_cache_fraction", 0.35), ("max_batched_tokens", 8192),
+                     ("max_running", 256), ("max_lookahead", 1), ("cuda_graphs", True))
 LOCAL_APPS = (
-    AppSpec("text", "TextGeneration", 0.4, 0, 1, 2, 4, 16, 32),
+    AppSpec("text", "TextGeneration", 0.4, 0, 1, 2, 4, 16, 32, LOCAL_TEXT_SETTINGS),
     AppSpec("gan", "ImageGan", 0.1, 0, 1, 2, 2, 8, 32),
     AppSpec("vae", "Vae", 0.1, 0, 1, 2, 2, 8, 32),
     AppSpec("diffusion", "Diffusion", 0.3, 0, 1, 2, 1, 2, 8),
 )
 GPU_APPS = (
-    AppSpec("text", "TextGeneration", 1, 0.4, 1, 4, 8, 32, 128),
+    AppSpec("text", "TextGeneration", 1, 0.4, 1, 4, 8, 256, 1024, GPU_TEXT_SETTINGS),
     AppSpec("gan", "ImageGan", 1, 0.1, 1, 4, 4, 16, 128),
     AppSpec("vae", "Vae", 1, 0.1, 1, 4, 4, 16, 128),
     AppSpec("diffusion", "Diffusion", 1, 0.3, 1, 4, 2, 4, 32),
@@ -96,7 +103,7 @@ def _app(spec: AppSpec, model_dir: str | None) -> dict[str, Any]:
         "name": spec.name,
         "route_prefix": f"/{spec.name}",
         "import_path": f"services.{spec.name}.app:build",
-        "args": {"model_dir": model_dir},
+        "args": {"model_dir": model_dir, **dict(spec.settings)},
         "deployments": [
             {
                 "name": spec.deployment,

@@ -13,6 +13,8 @@ record their own model metrics through `ServiceMetrics`.
 - genserve_diffusion_steps (counter; service): denoising steps run (steps/s via rate())
 - genserve_diffusion_step_seconds (histogram; service): duration of one denoising step
 - genserve_images (counter; service, method): images produced (images/s via rate())
+- genserve_cpu_kernels_available (gauge; service): 1 when the C kernels are in use, 0 when the replica fell back to
+  torch ops (the replica's log says why)
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class _Registry:
     steps: metrics.Counter
     step_seconds: metrics.Histogram
     images: metrics.Counter
+    cpu_kernels: metrics.Gauge
 
 
 @functools.cache
@@ -73,6 +76,10 @@ def _registry() -> _Registry:
         ),
         images=metrics.Counter(
             "genserve_images", description="Images produced.", tag_keys=("service", "method")
+        ),
+        cpu_kernels=metrics.Gauge(
+            "genserve_cpu_kernels_available", description="1 when the C kernels are in use, 0 on the torch fallback.",
+            tag_keys=("service",),
         ),
     )
 
@@ -113,6 +120,9 @@ class ServiceMetrics:
         reg = _registry()
         reg.steps.inc(1, tags={"service": self.service})
         reg.step_seconds.observe(seconds, tags={"service": self.service})
+
+    def cpu_kernels(self, available: bool) -> None:
+        _registry().cpu_kernels.set(int(available), tags={"service": self.service})
 
     def images(self, method: str, n: int) -> None:
         if n:

@@ -19,9 +19,9 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import Message
-from ray.serve.context import _get_serve_request_context
 
 from .errors import Status, Unimplemented, to_status
+from .ray_adapter import serve_request_id
 
 logger = logging.getLogger("ray.serve")
 
@@ -34,7 +34,7 @@ def request_id_of(grpc_context: Any) -> str:
     """The client's `request_id` metadata, else the id Ray Serve gave the request (it prefixes the replica's log
     lines and comes back in the trailing metadata), else a fresh one."""
     rid = grpc_context.request_id() if grpc_context is not None else None
-    return rid or _get_serve_request_context().request_id or uuid.uuid4().hex
+    return rid or serve_request_id() or uuid.uuid4().hex
 
 
 def _status(owner: Any, method: str, exc: BaseException, request_id: str) -> Status:

@@ -73,7 +73,7 @@ def _progress(step: int, total: int, elapsed: float) -> diffusion_pb2.DiffusionE
     )
 
 
-@serve.deployment(name="Diffusion", max_ongoing_requests=4)
+@serve.deployment(name="Diffusion")
 class Diffusion:
     __getattr__ = unknown_rpcs
     # BackPressureError: the `vae` application's queue is full, so this request cannot be decoded now.

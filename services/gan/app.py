@@ -42,7 +42,7 @@ class InterpolateIn(Request):
     truncation: float | None = Field(None, ge=MIN_TRUNCATION, le=MAX_TRUNCATION, allow_inf_nan=False)
 
 
-@serve.deployment(name="ImageGan", max_ongoing_requests=8)
+@serve.deployment(name="ImageGan")
 class ImageGan:
     __getattr__ = unknown_rpcs
 

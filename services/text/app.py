@@ -28,6 +28,7 @@ from services.common.metrics import ServiceMetrics
 from services.common.rpc import streaming, unary, unknown_rpcs
 from services.common.validation import Request, parse, resolve_seed
 from services.text.engine import AsyncLLMEngine, Delta, EngineOverloaded, PromptTooLong, SamplingParams
+from services.text.settings import TextArgs
 
 SERVICE = "genserve.v1.TextGeneration"
 MAX_PROMPT_CHARS = 16_384
@@ -115,7 +116,7 @@ def _logprob_messages(delta: Delta) -> list[text_pb2.TokenLogprob]:
     ]
 
 
-@serve.deployment(name="TextGeneration", max_ongoing_requests=16)
+@serve.deployment(name="TextGeneration")
 class TextGeneration:
     __getattr__ = unknown_rpcs
     known_errors = {
@@ -123,9 +124,11 @@ class TextGeneration:
         EngineOverloaded: (grpc.StatusCode.RESOURCE_EXHAUSTED, None),
     }
 
-    def __init__(self, model_dir: str | None):
+    def __init__(self, model_dir: str | None, settings: TextArgs | None = None):
+        settings = settings or TextArgs()
         self.metrics = ServiceMetrics("text")
-        self.engine = AsyncLLMEngine.from_dir(model_dir)
+        self.engine = AsyncLLMEngine.from_dir(model_dir, dtype=settings.dtype, config=settings.engine_config())
+        self.metrics.cpu_kernels(self.engine.engine.runner.cpu_kernels)
 
     def _prompt_ids(self, prompt: str, messages: list[ChatMessageIn]) -> list[int]:
         tokenizer = self.engine.tokenizer
@@ -208,4 +211,4 @@ class TextGeneration:
 
 
 def build(args: dict[str, Any] | None = None) -> Application:
-    return build_app("text", TextGeneration, args)
+    return build_app("text", TextGeneration, args, TextArgs)

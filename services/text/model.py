@@ -20,23 +20,18 @@ from shared.blocks.attention import MultiHeadAttention
 from shared.blocks.backend import Backend, get_backend
 from shared.blocks.ffn import SwiGLU
 from shared.blocks.linear import Linear
-from shared.blocks.masks import causal_mask
 from shared.blocks.norms import RMSNorm
 from shared.blocks.rope import RoPE, RopeScaling
-from shared.blocks.sdpa import scaled_dot_product_attention
-
-
-def window_mask(n_q: int, n_k: int, window: int, device: torch.device | None = None) -> torch.Tensor:
-    """(Nq, Nk) bool keep-mask: causal (bottom-right aligned) and at most ``window`` keys back, query included
-    (Mistral's sliding window: key j is visible from query i iff i - window < j <= i)."""
-    rows = torch.arange(n_q, device=device)[:, None] + (n_k - n_q)
-    cols = torch.arange(n_k, device=device)[None, :]
-    return causal_mask(n_q, n_k, device) & (cols > rows - window)
 
 
 class DecoderLayer(nn.Module):
     """x' = x + Attn(Norm(x)); x'' = x' + FFN(Norm(x')) — or, with ``parallel_block``, the single-norm parallel
-    form x' = x + Attn(Norm(x)) + FFN(Norm(x)) (Def. 21)."""
+    form x' = x + Attn(Norm(x)) + FFN(Norm(x)) (Def. 21).
+
+    As in vLLM, the residual stream travels beside the layer's output so that every add lands in the following
+    norm (``RMSNorm(x, residual)``, one fused pass on the GPU): a layer takes (its input's last delta, the residual
+    before it) and returns (its own delta, the residual before that delta); the first layer gets (embedding, None).
+    """
 
     def __init__(self, cfg: LlamaConfig, backend: Backend):
         super().__init__()
@@ -47,13 +42,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = None if cfg.parallel_block else RMSNorm(cfg.dim, cfg.norm_eps, backend)
         self.mlp = _ffn(cfg, backend)
 
-    def forward(self, x: torch.Tensor, attend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, attend) -> tuple[torch.Tensor, torch.Tensor]:
         """``attend(self_attn, h) -> attention output`` supplies the attention for either forward path."""
-        h = self.input_layernorm(x)
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)  # residual = x + residual, h = Norm(residual)
         if self.post_attention_layernorm is None:
-            return x + attend(self.self_attn, h) + self.mlp(h)
-        x = x + attend(self.self_attn, h)
-        return x + self.mlp(self.post_attention_layernorm(x))
+            return attend(self.self_attn, h) + self.mlp(h), residual
+        h, residual = self.post_attention_layernorm(attend(self.self_attn, h), residual)
+        return self.mlp(h), residual
 
 
 def _ffn(cfg: LlamaConfig, backend: Backend) -> nn.Module:
@@ -72,6 +70,16 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, backend)
+
+    def forward(self, input_ids: torch.Tensor, attend, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (...) -> final hidden states (..., dim); ``rows`` keeps only those tokens (flat index) before
+        the final norm, where only some tokens need logits."""
+        x, residual = self.embed_tokens(input_ids), None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, lambda attn, h, i=i: attend(i, attn, h))
+        if rows is not None:
+            x, residual = x[rows], residual[rows]
+        return self.norm(x, residual)[0]
 
 
 def make_rope(cfg: LlamaConfig) -> RoPE:
@@ -100,18 +108,12 @@ class LlamaForCausalLM(nn.Module):
     # ---- (B, T) batches: training, parity tests ---------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, T, V), every sequence starting at position 0."""
-        t = input_ids.shape[1]
-        positions = torch.arange(t, device=input_ids.device)
-        window = self.config.sliding_window
-        mask = window_mask(t, t, window, input_ids.device) if 0 < window < t else None
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
 
-        def attend(attn: MultiHeadAttention, h: torch.Tensor) -> torch.Tensor:
-            return attn(h, rope=self.rope.tables(), positions=positions, attn_mask=mask)
+        def attend(i: int, attn: MultiHeadAttention, h: torch.Tensor) -> torch.Tensor:
+            return attn(h, rope=self.rope.tables(), positions=positions, window=self.config.sliding_window)
 
-        x = self.model.embed_tokens(input_ids)  # (B, T, dim)
-        for layer in self.model.layers:
-            x = layer(x, attend)
-        return self.lm_head(self.model.norm(x))
+        return self.lm_head(self.model(input_ids, attend))  # (B, T, V)
 
     # ---- the engine's flat batch against the paged cache ------------------------------------------------------
     def forward_paged(self, batch: PagedBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
@@ -121,11 +123,12 @@ class LlamaForCausalLM(nn.Module):
         batch = batch.to(self.model.embed_tokens.weight.device)
         cos, sin = self.rope.tables()
         rope = cos[batch.positions], sin[batch.positions]  # (N, D/2): one row per token, gathered once per step
-        x = self.model.embed_tokens(batch.input_ids)  # (N, dim)
-        for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches, strict=True):
-            x = layer(x, lambda attn, h, kc=k_cache, vc=v_cache: self._paged_attention(attn, h, batch, rope, kc, vc))
-        x = x[batch.logits_index]  # (S, dim): the LM head only where a token is sampled
-        return self.lm_head(self.model.norm(x))
+
+        def attend(i: int, attn: MultiHeadAttention, h: torch.Tensor) -> torch.Tensor:
+            return self._paged_attention(attn, h, batch, rope, k_caches[i], v_caches[i])
+
+        # (S, dim): the final norm and the LM head only where a token is sampled
+        return self.lm_head(self.model(batch.input_ids, attend, rows=batch.logits_index))
 
     def _paged_attention(self, attn: MultiHeadAttention, h: torch.Tensor, batch: PagedBatch,
                          rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -140,8 +143,10 @@ class LlamaForCausalLM(nn.Module):
         v_cache.view(-1, hkv, d).index_copy_(0, batch.slots, v[0].transpose(0, 1))
         out = torch.empty_like(q)  # (1, Hq, N, D)
         if batch.n_decode:
-            out[0, :, : batch.n_decode] = self._decode_attention(attn, q[0, :, : batch.n_decode].transpose(0, 1),
-                                                                 batch, k_cache, v_cache).transpose(0, 1)
+            qd = q[0, :, : batch.n_decode].transpose(0, 1)  # (Bd, Hq, D)
+            od = attn.backend.paged_decode(qd, k_cache, v_cache, batch.decode_tables, batch.decode_lens,
+                                           sm_scale=attn.sm_scale, window=self.config.sliding_window)
+            out[0, :, : batch.n_decode] = od.transpose(0, 1)
         for c in batch.prefills:
             qc = q[:, :, c.offset : c.offset + c.length]  # (1, Hq, n, D)
             out[:, :, c.offset : c.offset + c.length] = self._prefill_attention(attn, qc, k, v, c, k_cache, v_cache)
@@ -149,24 +154,6 @@ class LlamaForCausalLM(nn.Module):
         if attn.gate_proj is not None:
             o = o * torch.sigmoid(attn.gate_proj(h))
         return attn.o_proj(o)
-
-    def _decode_attention(self, attn: MultiHeadAttention, q: torch.Tensor, batch: PagedBatch,
-                          k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """q (Bd, Hq, D) -> (Bd, Hq, D): one paged-decode call, except sequences already past the sliding window,
-        which attend to exactly their last ``window`` keys."""
-        window = self.config.sliding_window
-        lens = batch.decode_lens
-        if not window or int(lens.max()) <= window:
-            return attn.backend.paged_decode(q, k_cache, v_cache, batch.decode_tables, lens, sm_scale=attn.sm_scale)
-        out = torch.empty_like(q)
-        bs = k_cache.shape[1]
-        for b in range(q.shape[0]):
-            ctx = int(lens[b])
-            start = max(0, ctx - window)
-            table = batch.decode_tables[b].long()
-            kb, vb = _gather(k_cache, table, start, ctx, bs), _gather(v_cache, table, start, ctx, bs)
-            out[b] = attn.backend.attend(q[b, :, None][None], kb, vb, causal=False, sm_scale=attn.sm_scale)[0, :, 0]
-        return out
 
     def _prefill_attention(self, attn: MultiHeadAttention, qc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            c: PrefillChunk, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -180,10 +167,7 @@ class LlamaForCausalLM(nn.Module):
             bs = k_cache.shape[1]
             kc = _gather(k_cache, c.table, k_start, c.context_len, bs)
             vc = _gather(v_cache, c.table, k_start, c.context_len, bs)
-        if window and c.context_len - k_start > window:
-            mask = window_mask(c.length, c.context_len - k_start, window, qc.device)
-            return scaled_dot_product_attention(qc, kc, vc, mask, sm_scale=attn.sm_scale)
-        return attn.backend.attend(qc, kc, vc, causal=True, sm_scale=attn.sm_scale)
+        return attn.backend.attend(qc, kc, vc, causal=True, sm_scale=attn.sm_scale, window=window)
 
 
 def _gather(cache: torch.Tensor, table: torch.Tensor, start: int, end: int, block_size: int) -> torch.Tensor:

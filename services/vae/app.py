@@ -61,7 +61,7 @@ class DecodeIn(Request):
         return latents
 
 
-@serve.deployment(name="Vae", max_ongoing_requests=8)
+@serve.deployment(name="Vae")
 class Vae:
     __getattr__ = unknown_rpcs
     def __init__(self, model_dir: str | None):

@@ -69,12 +69,14 @@ class MultiHeadAttention(nn.Module):
         causal: bool = True,
         kv_cache: KVCache | None = None,
         attn_mask: torch.Tensor | None = None,
+        window: int = 0,
     ) -> torch.Tensor:
         """x (B, T, dim) -> (B, T, dim).
 
         rope: (cos, sin) tables (P, D/2); positions default to cache.length + 0..T-1. kv_cache: new keys/values
         are appended and attention runs over everything cached. attn_mask: bool keep-mask broadcastable to
         (B, H, T, Nk), combined with the causal mask when `causal`; it routes through the written-out attention.
+        window: a sliding attention window (causal only), passed to the backend.
         """
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
@@ -88,7 +90,7 @@ class MultiHeadAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)  # (B, Hkv, Nk, D)
         if attn_mask is None:
-            o = self.backend.attend(q, k, v, causal=causal, sm_scale=self.sm_scale)
+            o = self.backend.attend(q, k, v, causal=causal, sm_scale=self.sm_scale, window=window)
         else:
             mask = attn_mask & causal_mask(t, k.shape[2], x.device) if causal else attn_mask
             o = scaled_dot_product_attention(q, k, v, mask, sm_scale=self.sm_scale)

@@ -4,10 +4,12 @@
 when not given: "auto" (default), "reference", "torch" or "triton". Every backend has the same eight methods (the
 contract in docs/architecture.md):
 
-- attend(q, k, v, *, causal, sm_scale=None): q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D), Hq % Hkv == 0 (GQA read
-  natively); the causal mask is bottom-right aligned (query i sees keys j <= i + Nk - Nq);
-- paged_decode(q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None): q (B, Hq, D), caches
-  (num_blocks, block_size, Hkv, D), block_tables int32 (B, max_blocks), context_lens int32 (B,) -> (B, Hq, D);
+- attend(q, k, v, *, causal, sm_scale=None, window=0): q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D), Hq % Hkv == 0 (GQA
+  read natively); the causal mask is bottom-right aligned (query i sees keys j <= i + Nk - Nq); a sliding `window`
+  > 0 (causal only) also hides keys j <= i + Nk - Nq - window (masks.sliding_window_mask);
+- paged_decode(q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None, window=0): q (B, Hq, D), caches
+  (num_blocks, block_size, Hkv, D), block_tables int32 (B, max_blocks), context_lens int32 (B,) -> (B, Hq, D); with
+  a `window`, each sequence attends to its last `window` keys only;
 - rms_norm(x, weight, eps, residual=None): y, or (y, x + residual) with the norm taken of x + residual;
 - apply_rope(q, k, cos, sin, positions, *, interleaved=False): (q, k) rotated; cos/sin are (P, D/2) tables;
 - linear(x, weight, bias=None): y = x W^T + b, weight (N, K) as in nn.Linear;
@@ -37,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.blocks import rope as _rope
-from shared.blocks.masks import causal_mask
+from shared.blocks.masks import causal_mask, sliding_window_mask
 from shared.blocks.sdpa import scaled_dot_product_attention
 
 BACKEND_NAMES = ("auto", "reference", "torch", "triton")
@@ -64,6 +66,15 @@ class PreparedWeights(dict):
         return PreparedWeights, ()
 
 
+def _keep_mask(q: torch.Tensor, k: torch.Tensor, causal: bool, window: int) -> torch.Tensor | None:
+    """The (Nq, Nk) keep-mask of `attend`: None, causal, or causal with a sliding window."""
+    if window < 0 or (window and not causal):
+        raise ValueError(f"window must be >= 0 and needs causal attention; got window={window}, causal={causal}")
+    if window:
+        return sliding_window_mask(q.shape[2], k.shape[2], window, q.device)
+    return causal_mask(q.shape[2], k.shape[2], q.device) if causal else None
+
+
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -73,18 +84,19 @@ class ReferenceBackend:
 
     name = "reference"
 
-    def attend(self, q, k, v, *, causal: bool, sm_scale: float | None = None) -> torch.Tensor:
-        mask = causal_mask(q.shape[2], k.shape[2], q.device) if causal else None
-        return scaled_dot_product_attention(q, k, v, mask, sm_scale=sm_scale)
+    def attend(self, q, k, v, *, causal: bool, sm_scale: float | None = None, window: int = 0) -> torch.Tensor:
+        return scaled_dot_product_attention(q, k, v, _keep_mask(q, k, causal, window), sm_scale=sm_scale)
 
-    def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None) -> torch.Tensor:
+    def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None, window: int = 0
+                     ) -> torch.Tensor:
         bs = k_cache.shape[1]
         out = []
         for b in range(q.shape[0]):
             n = int(context_lens[b])
+            start = max(0, n - window) if window else 0
             blocks = block_tables[b, : (n + bs - 1) // bs].long()
-            k = k_cache[blocks].flatten(0, 1)[:n].transpose(0, 1)  # (Hkv, n, D)
-            v = v_cache[blocks].flatten(0, 1)[:n].transpose(0, 1)
+            k = k_cache[blocks].flatten(0, 1)[start:n].transpose(0, 1)  # (Hkv, n - start, D)
+            v = v_cache[blocks].flatten(0, 1)[start:n].transpose(0, 1)
             o = scaled_dot_product_attention(q[b, None, :, None], k[None], v[None], sm_scale=sm_scale)  # (1, Hq, 1, D)
             out.append(o[0, :, 0])
         return torch.stack(out)  # (B, Hq, D)
@@ -119,9 +131,12 @@ class TorchBackend(ReferenceBackend):
 
     name = "torch"
 
-    def attend(self, q, k, v, *, causal: bool, sm_scale: float | None = None) -> torch.Tensor:
+    def attend(self, q, k, v, *, causal: bool, sm_scale: float | None = None, window: int = 0) -> torch.Tensor:
         nq, nk = q.shape[2], k.shape[2]
         gqa = q.shape[1] != k.shape[1]
+        if window and window < nk:
+            mask = _keep_mask(q, k, causal, window)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=sm_scale, enable_gqa=gqa)
         if not causal or nq == 1:  # a single last query sees every key
             return F.scaled_dot_product_attention(q, k, v, scale=sm_scale, enable_gqa=gqa)
         if nq == nk:
@@ -130,8 +145,9 @@ class TorchBackend(ReferenceBackend):
         mask = causal_mask(nq, nk, q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=sm_scale, enable_gqa=gqa)
 
-    def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None) -> torch.Tensor:
-        if q.device.type == "cpu" and not _needs_grad(q):
+    def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None, window: int = 0
+                     ) -> torch.Tensor:
+        if q.device.type == "cpu" and not window and not _needs_grad(q):
             from kernels import cpu_paged_decode
 
             if cpu_paged_decode.supports(q, k_cache, v_cache):
@@ -139,7 +155,9 @@ class TorchBackend(ReferenceBackend):
                                                      sm_scale=sm_scale)
         k = _gather_paged(k_cache, block_tables)  # (B, Hkv, M*bs, D)
         v = _gather_paged(v_cache, block_tables)
-        keep = torch.arange(k.shape[2], device=q.device)[None, :] < context_lens.to(q.device).long()[:, None]
+        pos = torch.arange(k.shape[2], device=q.device)[None, :]
+        lens = context_lens.to(q.device).long()[:, None]
+        keep = (pos < lens) & (pos >= lens - window) if window else pos < lens
         mask = keep[:, None, None, :]  # (B, 1, 1, M*bs)
         gqa = q.shape[1] != k.shape[1]
         o = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, scale=sm_scale, enable_gqa=gqa)
@@ -214,11 +232,13 @@ class TritonBackend:
             self._kernels = kernels
         return self._kernels
 
-    def attend(self, q, k, v, *, causal: bool, sm_scale: float | None = None) -> torch.Tensor:
-        return self.kernels.flash_attention(q, k, v, causal=causal, sm_scale=sm_scale)
+    def attend(self, q, k, v, *, causal: bool, sm_scale: float | None = None, window: int = 0) -> torch.Tensor:
+        return self.kernels.flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, window=window)
 
-    def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None) -> torch.Tensor:
-        return self.kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale=sm_scale)
+    def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None, window: int = 0
+                     ) -> torch.Tensor:
+        return self.kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale=sm_scale,
+                                                   window=window)
 
     def rms_norm(self, x, weight, eps: float, residual=None):
         return self.kernels.rms_norm(x, weight, eps, residual=residual)
@@ -252,11 +272,13 @@ class AutoBackend:
         # The kernels are forward-only: training on a GPU must keep autograd, so it takes the torch path.
         return self._triton if self._triton is not None and t.is_cuda and not _needs_grad(t) else self._torch
 
-    def attend(self, q, k, v, *, causal: bool, sm_scale: float | None = None) -> torch.Tensor:
-        return self._pick(q).attend(q, k, v, causal=causal, sm_scale=sm_scale)
+    def attend(self, q, k, v, *, causal: bool, sm_scale: float | None = None, window: int = 0) -> torch.Tensor:
+        return self._pick(q).attend(q, k, v, causal=causal, sm_scale=sm_scale, window=window)
 
-    def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None) -> torch.Tensor:
-        return self._pick(q).paged_decode(q, k_cache, v_cache, block_tables, context_lens, sm_scale=sm_scale)
+    def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None, window: int = 0
+                     ) -> torch.Tensor:
+        return self._pick(q).paged_decode(q, k_cache, v_cache, block_tables, context_lens, sm_scale=sm_scale,
+                                          window=window)
 
     def rms_norm(self, x, weight, eps: float, residual=None):
         return self._pick(x).rms_norm(x, weight, eps, residual)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -115,16 +113,45 @@ def test_auto_uses_torch_for_cpu_tensors() -> None:
     assert torch.allclose(auto.attend(q, q, q, causal=True), get_backend("torch").attend(q, q, q, causal=True))
 
 
-def test_auto_takes_torch_on_cuda_when_a_gradient_is_needed() -> None:
-    """The kernels are forward-only: training on a GPU must keep autograd (checked with stand-in CUDA tensors)."""
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_auto_keeps_autograd_on_cuda_and_runs_the_kernels_without_it(ref) -> None:
+    """The kernels are forward-only: training on a GPU must get the reference gradient; inference the kernels."""
     auto = AutoBackend()
-    if auto._triton is None:
-        pytest.skip("triton is not installed")
-    needs_grad = SimpleNamespace(is_cuda=True, requires_grad=True)
-    assert auto._pick(needs_grad).name == "torch"
+    q, k, v = (torch.randn(1, 4, 40, 64, device="cuda", requires_grad=True) for _ in range(3))
+    out = auto.attend(q, k, v, causal=True)
+    grad = torch.autograd.grad(out.square().sum(), q)[0]
+    q_ref = q.detach().cpu().requires_grad_()
+    expected = ref.attend(q_ref, k.detach().cpu(), v.detach().cpu(), causal=True)
+    torch.testing.assert_close(grad.cpu(), torch.autograd.grad(expected.square().sum(), q_ref)[0], atol=1e-3,
+                               rtol=1e-3)
     with torch.no_grad():
-        assert auto._pick(needs_grad).name == "triton"
-    assert auto._pick(SimpleNamespace(is_cuda=True, requires_grad=False)).name == "triton"
+        assert auto._pick(q).name == "triton"
+        torch.testing.assert_close(auto.attend(q, k, v, causal=True).cpu(), expected.detach(), atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("window", [3, 8])
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_sliding_window_attention_agrees_across_backends(ref, name, window) -> None:
+    """attend(window=) and paged_decode(window=) against the reference's one window mask (masks.py)."""
+    if name == "triton":
+        pytest.importorskip("triton")
+    backend = get_backend(name)
+    q, k, v = torch.randn(1, 4, 6, 32), torch.randn(1, 2, 11, 32), torch.randn(1, 2, 11, 32)  # chunked prefill
+    expected = ref.attend(q, k, v, causal=True, window=window)
+    torch.testing.assert_close(backend.attend(q, k, v, causal=True, window=window), expected, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(expected, ref.attend(q, k, v, causal=True), atol=1e-3)
+    k_cache, v_cache = torch.randn(6, 4, 2, 32), torch.randn(6, 4, 2, 32)
+    tables = torch.tensor([[3, 1, 0], [5, 2, 4]], dtype=torch.int32)
+    lens = torch.tensor([7, 11], dtype=torch.int32)
+    qd = torch.randn(2, 4, 32)
+    expected = ref.paged_decode(qd, k_cache, v_cache, tables, lens, window=window)
+    out = backend.paged_decode(qd, k_cache, v_cache, tables, lens, window=window)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    # the reference's window is the last `window` keys of the gathered sequence
+    ids = [int(tables[1, t // 4]) for t in range(11 - window, 11)]
+    kw, vw = (c[ids, [t % 4 for t in range(11 - window, 11)]].transpose(0, 1)[None] for c in (k_cache, v_cache))
+    torch.testing.assert_close(expected[1], ref.attend(qd[1, None, :, None], kw, vw, causal=False)[0, :, 0])
 
 
 def test_triton_backend_agrees_with_reference() -> None:

@@ -84,22 +84,28 @@ def _flash_variants():
 
     # Every autotune candidate at D = 128 (the common large head); causal builds both key phases.
     for i, config in enumerate(fa.hopper_configs(128, 128)):
-        meta = base | dims(128, 128) | {"CAUSAL": True, "VARLEN": False} | config.kwargs
+        meta = base | dims(128, 128) | {"CAUSAL": True, "WINDOW": False, "VARLEN": False} | config.kwargs
         yield f"flash_attention[cfg{i},D128,causal]", fa._flash_attention_fwd_kernel, pointers, meta, \
             config.num_warps, config.num_stages
+    # A sliding window (Mistral) changes the key loop's bounds and masks every block.
+    config = fa.hopper_configs(128, 128)[0]
+    meta = base | dims(128, 128) | {"CAUSAL": True, "WINDOW": True, "VARLEN": False} | config.kwargs
+    yield "flash_attention[D128,causal,window]", fa._flash_attention_fwd_kernel, pointers, meta, \
+        config.num_warps, config.num_stages
     config = fa.hopper_configs(64, 64)[0]
-    meta = base | dims(64, 64) | {"CAUSAL": False, "VARLEN": True} | config.kwargs
+    meta = base | dims(64, 64) | {"CAUSAL": False, "WINDOW": False, "VARLEN": True} | config.kwargs
     yield "flash_attention[D64,varlen]", fa._flash_attention_fwd_kernel, pointers, meta, \
         config.num_warps, config.num_stages
     # The JIT turns int arguments equal to 1 into constants: one query against a cache, one query head per KV head.
     config = fa.hopper_configs(128, 128)[0]
-    meta = base | dims(128, 128) | {"CAUSAL": True, "VARLEN": False, "seqlen_q": 1, "group_size": 1} | config.kwargs
+    meta = base | dims(128, 128) | {"CAUSAL": True, "WINDOW": False, "VARLEN": False, "seqlen_q": 1,
+                                    "group_size": 1} | config.kwargs
     yield "flash_attention[D128,one-query]", fa._flash_attention_fwd_kernel, pointers, meta, \
         config.num_warps, config.num_stages
     # Padded head dims: DeepSeek MLA (192 for q/k, 128 for v) and the widest supported head.
     for d, dv in ((192, 128), (256, 256)):
         config = fa.hopper_configs(fa.padded_head_dim(d), fa.padded_head_dim(dv))[0]
-        meta = base | dims(d, dv) | {"CAUSAL": True, "VARLEN": False} | config.kwargs
+        meta = base | dims(d, dv) | {"CAUSAL": True, "WINDOW": False, "VARLEN": False} | config.kwargs
         yield f"flash_attention[D{d},Dv{dv}]", fa._flash_attention_fwd_kernel, pointers, meta, \
             config.num_warps, config.num_stages
 

@@ -7,10 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_gemv, cpu_group_norm, cpu_paged_decode
-from kernels._cpu_library import library
 from shared.blocks.backend import ReferenceBackend, TorchBackend
 
-pytestmark = pytest.mark.skipif(library() is None, reason="no working C compiler on this machine")
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 CPU = torch.device("cpu")
 
 

@@ -13,8 +13,11 @@ from shared.blocks.backend import ReferenceBackend, TorchBackend
 from shared.blocks.cross_attention import ContextCache
 from shared.blocks.unet import SpatialTransformer
 
-pytestmark = pytest.mark.skipif(not cpu_spatial_transformer.available(),
-                                reason="no C compiler or no BLAS sgemm exported by this torch")
+
+@pytest.fixture(autouse=True)
+def _kernel(cpu_kernels) -> None:
+    if not cpu_spatial_transformer.available():
+        pytest.skip("this torch exports no BLAS sgemm")
 
 
 def _block(channels: int = 64, head_dim: int = 32, context_dim: int | None = 24, groups: int = 8,

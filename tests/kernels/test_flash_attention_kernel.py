@@ -155,3 +155,26 @@ def test_flash_attention_rejects_indivisible_head_groups() -> None:
     q, k, v = _inputs(1, 3, 2, 8, 8, 64, torch.float32)
     with pytest.raises(ValueError, match="multiple"):
         flash_attention(q, k, v, causal=False)
+
+
+@pytest.mark.parametrize(("nq", "nk", "window"), [
+    pytest.param(100, 100, 17, id="prefill-window-17"),
+    pytest.param(70, 70, 64, id="prefill-window-one-tile"),
+    pytest.param(37, 237, 50, id="chunked-prefill-window"),
+    pytest.param(30, 30, 200, id="window-wider-than-keys"),
+])
+def test_flash_attention_sliding_window_matches_the_window_mask(nq, nk, window) -> None:
+    from shared.blocks.masks import sliding_window_mask
+
+    q, k, v = _inputs(1, 4, 2, nq, nk, 32, torch.float32)
+    out = flash_attention(q, k, v, causal=True, window=window)
+    ref = scaled_dot_product_attention(q, k, v, sliding_window_mask(nq, nk, window))
+    assert _max_err(out, ref) <= TOLERANCES[torch.float32]
+    if window < nk:  # the window must actually cut something off
+        assert _max_err(flash_attention(q, k, v, causal=True), ref) > 1e-3
+
+
+def test_flash_attention_refuses_a_window_without_causality() -> None:
+    q, k, v = _inputs(1, 2, 2, 8, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="window"):
+        flash_attention(q, k, v, causal=False, window=4)

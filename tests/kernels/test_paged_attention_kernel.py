@@ -92,3 +92,14 @@ def test_paged_decode_rejects_int64_tables() -> None:
     q, k_cache, v_cache, tables, lens = _paged_batch([20], 2, 2, 64, torch.float32)
     with pytest.raises(ValueError, match="int32"):
         paged_decode_attention(q, k_cache, v_cache, tables.long(), lens)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_paged_decode_sliding_window_sees_only_the_last_window_keys(num_splits) -> None:
+    # Windows shorter and longer than the contexts; with two splits, the long sequence's first split is empty.
+    inputs = _paged_batch([300, 40, 17], 8, 2, 64, torch.float32)
+    window = 33
+    out = paged_decode_attention(*inputs, window=window, num_splits=num_splits)
+    ref = get_backend("reference").paged_decode(*inputs, window=window)
+    assert (out - ref).abs().max().item() <= TOLERANCES[torch.float32]
+    assert (out - _reference(*inputs)).abs().max().item() > 1e-3  # the window changed the answer

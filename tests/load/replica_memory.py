@@ -58,7 +58,7 @@ def _text() -> tuple[int, int, Callable[[], None]]:
     from services.text.engine.params import SamplingParams
 
     engine = AsyncLLMEngine.from_dir(_model_dir("text")).engine
-    cache = sum(t.numel() * t.element_size() for t in (*engine.cache.k, *engine.cache.v))
+    cache = sum(t.numel() * t.element_size() for t in (*engine.runner.k_caches, *engine.runner.v_caches))
     prompts = [list(range(1, 129))] * 8  # 8 sequences x 128 prompt tokens: prefill fills max_batched_tokens
 
     def request() -> None:

@@ -27,15 +27,17 @@ class AsyncLLMEngine:
         self.error: BaseException | None = None
 
     @classmethod
-    def from_dir(cls, path: str | Path | None = None, *, dtype: str = "float32", config: EngineConfig | None = None,
+    def from_dir(cls, path: str | Path | None = None, *, dtype: str = "auto", config: EngineConfig | None = None,
                  device: str | None = None) -> AsyncLLMEngine:
         """Load a checkpoint directory (``None`` -> the committed demo model) into a ready engine on ``device``
-        (default: CUDA when available, else CPU)."""
+        (default: CUDA when available, else CPU). ``dtype`` "auto" is bfloat16 on CUDA and float32 on the CPU."""
         from services.text.loader import load_model
         from services.text.tokenizer import TextTokenizer
 
         root = Path(path) if path is not None else DEMO_DIR
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if dtype == "auto":
+            dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
         model = load_model(root, dtype, device=device)
         tokenizer = TextTokenizer.from_dir(root, model.config.eos_token_ids)
         return cls(LLMEngine(model, tokenizer, config, model_name=root.resolve().name))
@@ -58,8 +60,8 @@ class AsyncLLMEngine:
             "vocab_size": cfg.vocab_size,
             "max_context": self.max_context,
             "dtype": cfg.dtype,
-            "kv_blocks_total": self.engine.cache.manager.num_blocks,
             "kv_blocks_free": self.kv_blocks_free,
+            **self.engine.settings(),
         }
 
     # ---- the worker thread ----------------------------------------------------------------------------------

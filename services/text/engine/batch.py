@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from services.text.engine.kv_cache import PagedKVCache
+from services.text.engine.kv_cache import BlockManager
 from services.text.engine.scheduler import ScheduledChunk
 from services.text.paged import PagedBatch, PrefillChunk
 
 
-def build_batch(chunks: list[ScheduledChunk], cache: PagedKVCache) -> tuple[PagedBatch, list[ScheduledChunk]]:
+def build_batch(chunks: list[ScheduledChunk], blocks: BlockManager) -> tuple[PagedBatch, list[ScheduledChunk]]:
     """The batch for ``chunks`` and the chunks reordered to match it (decode tokens first, then prefills)."""
     decodes = [c for c in chunks if c.length == 1]
     prefills = [c for c in chunks if c.length > 1]
@@ -18,14 +18,14 @@ def build_batch(chunks: list[ScheduledChunk], cache: PagedKVCache) -> tuple[Page
     positions: list[int] = []
     slots: list[int] = []
     logits_index: list[int] = []
-    tables = [cache.manager.tables[c.seq.request_id] for c in ordered]
+    tables = [blocks.tables[c.seq.request_id] for c in ordered]
     for c, table in zip(ordered, tables, strict=True):
         tokens = c.seq.tokens
         if c.sample:
             logits_index.append(len(ids) + c.length - 1)
         ids.extend(tokens[c.start:c.start + c.length])
         positions.extend(range(c.start, c.start + c.length))
-        slots.extend(cache.slots(table, c.start, c.start + c.length))
+        slots.extend(blocks.slots(table, c.start, c.start + c.length))
     width = max((len(t) for t in tables[:len(decodes)]), default=1)
     # One tensor per field, built from Python lists in one call each: a decode step is short enough on the CPU
     # that every extra small tensor op shows in tokens/s.

@@ -1,7 +1,9 @@
 """The synchronous engine core: requests in, one continuous-batching step at a time, ``Delta``s out.
 
-``step()`` schedules under a lock, runs the model without it (so ``abort`` from another thread frees blocks at
-once), then samples, detokenises and checks the finish conditions of every sequence that produced a token.
+``step()`` schedules under a lock, hands the batch to the model runner without it (so ``abort`` from another
+thread frees blocks at once), then detokenises and checks the finish conditions of every sequence that produced a
+token. The engine only schedules: the runner (services/text/runners, chosen once at start-up) owns the weights,
+the KV-cache tensors, the forward pass and sampling, and the engine never learns which device or kernel ran.
 """
 
 from __future__ import annotations
@@ -13,12 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from services.text.cpu_decode import CpuDecoder
 from services.text.engine.batch import build_batch
 from services.text.engine.detokenizer import IncrementalDetokenizer, StopChecker
-from services.text.engine.kv_cache import PagedKVCache, blocks_for_budget
+from services.text.engine.kv_cache import BlockManager, block_bytes
 from services.text.engine.params import Delta, EngineOverloaded, PromptTooLong, SamplingParams, TokenLogprob
-from services.text.engine.sampler import make_generator, sample_one
+from services.text.engine.runner import ModelRunner
+from services.text.engine.sampler import make_generator
 from services.text.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from services.text.engine.sequence import Sequence
 from services.text.paged import PagedBatch
@@ -27,47 +29,64 @@ from services.text.paged import PagedBatch
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16
-    kv_cache_bytes: int = 256 * 2**20  # memory budget for the paged cache
-    num_blocks: int = 0  # overrides kv_cache_bytes when > 0
+    # The paged cache's memory: kv_cache_bytes when > 0, else kv_cache_fraction (when > 0) of the device memory
+    # left after the weights, else the runner's default; never less than one full-context request.
+    kv_cache_bytes: int = 0
+    kv_cache_fraction: float = 0.0
+    num_blocks: int = 0  # overrides both when > 0 (tests)
     max_batched_tokens: int = 512
     max_running: int = 64
     max_waiting: int = 1024
     max_context: int = 0  # 0 -> the model's max_position
-    # Greedy decode steps one fused CPU kernel call may run back to back (LLMEngine._lookahead): the Python between
-    # two steps costs ~6% of a step at batch 1 on the bench model. 1 streams every token the moment it exists.
+    # Greedy decode steps one runner call may run back to back (LLMEngine._lookahead; the CPU runner's fused step):
+    # the Python between two steps costs ~6% of a step at batch 1 on the bench model. 1: every token at once.
     max_lookahead: int = 8
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "kv_cache_bytes", "max_batched_tokens", "max_running", "max_waiting",
-                     "max_lookahead"):
+        for name in ("block_size", "max_batched_tokens", "max_running", "max_waiting", "max_lookahead"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_blocks < 0 or self.max_context < 0:
-            raise ValueError("num_blocks and max_context must be >= 0")
+        for name in ("kv_cache_bytes", "num_blocks", "max_context"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.kv_cache_fraction < 1:
+            raise ValueError(f"kv_cache_fraction must be in [0, 1), got {self.kv_cache_fraction}")
+        if self.kv_cache_bytes and self.kv_cache_fraction:
+            raise ValueError("give kv_cache_bytes or kv_cache_fraction, not both")
 
 
 class LLMEngine:
     def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig | None = None,
-                 model_name: str = "model"):
-        self.model = model.eval()
+                 model_name: str = "model", runner: ModelRunner | None = None):
+        self.config = config = config or EngineConfig()
+        if runner is None:
+            from services.text.runners import make_runner
+
+            runner = make_runner(model, max_lookahead=config.max_lookahead, max_running=config.max_running,
+                                 cuda_graphs=config.cuda_graphs)
+        self.runner = runner
+        self.model = runner.model
         self.tokenizer = tokenizer
-        self.config = config or EngineConfig()
         self.model_name = model_name
-        mc = model.config
-        dtype = next(model.parameters()).dtype
-        device = next(model.parameters()).device
-        num_blocks = self.config.num_blocks or blocks_for_budget(
-            self.config.kv_cache_bytes, self.config.block_size, mc.n_layers, mc.n_kv_heads, mc.head_dim, dtype)
-        self.cache = PagedKVCache(mc.n_layers, num_blocks, self.config.block_size, mc.n_kv_heads, mc.head_dim,
-                                  dtype=dtype, device=device)
-        self.scheduler = Scheduler(self.cache.manager, SchedulerConfig(
-            self.config.max_batched_tokens, self.config.max_running, self.config.max_waiting))
-        self.max_context = self.config.max_context or mc.max_position
+        mc = self.model.config
+        self.max_context = config.max_context or mc.max_position
+        per_block = block_bytes(config.block_size, mc.n_layers, mc.n_kv_heads, mc.head_dim,
+                                self.model.model.embed_tokens.weight.dtype)
+        full_context = -(-self.max_context // config.block_size) * per_block
+        num_blocks = config.num_blocks or runner.kv_cache_budget(
+            config.kv_cache_bytes, config.kv_cache_fraction, full_context) // per_block
+        if num_blocks <= 0:
+            raise ValueError(f"the KV-cache budget holds no block of {per_block} bytes")
+        self.kv_cache_bytes = num_blocks * per_block
+        runner.allocate_kv_cache(num_blocks, config.block_size)
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.blocks, SchedulerConfig(
+            config.max_batched_tokens, config.max_running, config.max_waiting))
         self.eos_ids = frozenset(mc.eos_token_ids) | frozenset(getattr(tokenizer, "eos_token_ids", ()))
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self.lock = threading.Lock()
-        self.cpu_decoder = CpuDecoder.for_model(model)  # decode-only steps on the CPU: one kernel call per layer
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -123,7 +142,20 @@ class LLMEngine:
 
     @property
     def kv_blocks_free(self) -> int:
-        return self.cache.manager.num_free
+        return self.blocks.num_free
+
+    def settings(self) -> dict:
+        """What took effect: the runner, its device and dtype, the KV cache and the scheduling limits."""
+        return {
+            "runner": self.runner.name,
+            "device": str(self.runner.device),
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "kv_blocks_total": self.blocks.num_blocks,
+            "block_size": self.blocks.block_size,
+            "max_batched_tokens": self.config.max_batched_tokens,
+            "max_running": self.config.max_running,
+            "max_lookahead": self.runner.max_steps(1),
+        }
 
     # ---- stepping -------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -136,55 +168,51 @@ class LLMEngine:
                 self._finish(seq, "context_length")
             if chunks:
                 steps = self._lookahead(chunks)
-                batch, chunks = build_batch(chunks, self.cache)
+                batch, chunks = build_batch(chunks, self.blocks)
         for seq in overflowed:
             seq.on_delta(Delta(seq.stopper.take(final=True), (), "context_length"))
         if not chunks:
             return 0
         if steps > 1:
             return self._greedy_steps(batch, chunks, steps)
-        # Sampling runs on the CPU with each request's own generator.
-        fused = self.cpu_decoder is not None and not batch.prefills and batch.n_decode <= CpuDecoder.max_tokens
-        forward = self.cpu_decoder if fused else self.model.forward_paged
-        logits = forward(batch, self.cache.k, self.cache.v).float().cpu()  # (S, V)
+        # Each sampled row's request carries its own options and seeded generator (Sequence is a SampleRow).
+        sampled = iter(self.runner.execute(batch, [c.seq for c in chunks if c.sample]))
         deltas: list[tuple[Sequence, Delta]] = []
         with self.lock:
-            row = 0
             for c in chunks:
-                if c.sample:
-                    row += 1
+                token, logprob = next(sampled) if c.sample else (None, None)
                 if c.seq.finished:  # aborted while the model ran
                     continue
                 c.seq.num_computed = c.start + c.length
                 if c.sample:
-                    token, logprob = sample_one(logits[row - 1], c.seq.params, c.seq.generator, c.seq.prompt_ids,
-                                                c.seq.output_ids)
                     deltas.append((c.seq, self._advance(c.seq, token, logprob)))
         for seq, delta in deltas:
             seq.on_delta(delta)
         return int(batch.input_ids.numel())
 
     def _lookahead(self, chunks: list[ScheduledChunk]) -> int:
-        """How many decode steps this batch runs in one fused kernel call, with the blocks for the extra positions
-        reserved here; 1 is an ordinary step. Several only when they cannot change what anyone receives: every
+        """How many decode steps this batch runs in one runner call (up to ``runner.max_steps``), with the blocks
+        for the extra positions reserved here; 1 is an ordinary step. Several only when they cannot change what
+        anyone receives: every
         chunk a decode token of a plain greedy request (no penalties, no logprobs) that nobody watches token by
         token (not ``interactive``), nobody waiting to be admitted, and no sequence due to stop on length or
         context sooner. A sequence that stops early on EOS or a stop string drops the tokens after it, so its
         output is the same as step by step; its deltas arrive in bursts of up to ``config.max_lookahead``."""
-        if (self.cpu_decoder is None or self.scheduler.waiting or len(chunks) > CpuDecoder.max_tokens
+        max_steps = self.runner.max_steps(len(chunks))
+        if (max_steps <= 1 or self.scheduler.waiting
                 or any(c.length != 1 or c.seq.interactive or not c.seq.params.greedy or c.seq.params.has_penalties
                        or c.seq.params.logprobs for c in chunks)):
             return 1
-        steps = min(self.config.max_lookahead, *(min(c.seq.params.max_tokens - len(c.seq.output_ids),
-                                         self.max_context - c.seq.num_tokens) for c in chunks))
+        steps = min(max_steps, *(min(c.seq.params.max_tokens - len(c.seq.output_ids),
+                                     self.max_context - c.seq.num_tokens) for c in chunks))
         if steps <= 1 or not self.scheduler.reserve_ahead([c.seq for c in chunks], steps - 1):
             return 1
         return steps
 
     def _greedy_steps(self, batch: PagedBatch, chunks: list[ScheduledChunk], steps: int) -> int:
-        """Run ``steps`` greedy decode steps in one kernel call and hand each sequence its tokens in order, as
+        """Run ``steps`` greedy decode steps in one runner call and hand each sequence its tokens in order, as
         ``steps`` ordinary steps would, up to the one that finishes it."""
-        rows = self.cpu_decoder.greedy(batch, steps, self.cache.k, self.cache.v)  # (M, steps) token ids
+        rows = self.runner.execute_greedy(batch, steps)  # (M, steps) token ids
         deltas: list[tuple[Sequence, Delta]] = []
         with self.lock:
             for c, tokens in zip(chunks, rows, strict=True):

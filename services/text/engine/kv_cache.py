@@ -1,8 +1,9 @@
-"""The paged KV cache: fixed-size blocks in one tensor per layer, a free list, and per-sequence block tables.
+"""The paged KV cache's bookkeeping: a free list of fixed-size blocks and per-sequence block tables (Kwon et al.
+2023, PagedAttention). The K/V tensors themselves belong to the model runner.
 
 Layout (docs/architecture.md, shared with ``kernels/paged_attention.py``): ``k_cache``/``v_cache`` are
 ``(num_blocks, block_size, n_kv_heads, head_dim)``; token ``t`` of a sequence lives in block
-``table[t // block_size]`` at slot ``t % block_size`` (Kwon et al. 2023, PagedAttention).
+``table[t // block_size]`` at slot ``t % block_size``.
 """
 
 from __future__ import annotations
@@ -14,12 +15,10 @@ import torch
 from shared.blocks.kv_cache import kv_cache_bytes
 
 
-def blocks_for_budget(budget_bytes: int, block_size: int, n_layers: int, n_kv_heads: int, head_dim: int,
-                      dtype: torch.dtype) -> int:
-    """How many blocks of ``block_size`` tokens fit in ``budget_bytes`` (the KV-cache size formula, Remark 11)."""
-    per_block = kv_cache_bytes(n_layers, block_size, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                               bytes_per_value=torch.empty((), dtype=dtype).element_size())
-    return budget_bytes // per_block
+def block_bytes(block_size: int, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one block of ``block_size`` tokens over every layer, keys and values (Remark 11)."""
+    return kv_cache_bytes(n_layers, block_size, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                          bytes_per_value=torch.empty((), dtype=dtype).element_size())
 
 
 class BlockManager:
@@ -57,28 +56,13 @@ class BlockManager:
         table.extend(self._free.popleft() for _ in range(need))
         return table
 
+    def slots(self, table: list[int], start: int, end: int) -> list[int]:
+        """Flat slot indices (``block * block_size + offset``) of token positions ``start..end-1`` of a table."""
+        bs = self.block_size
+        return [table[t // bs] * bs + t % bs for t in range(start, end)]
+
     def free(self, seq_id: str) -> int:
         """Return every block of ``seq_id`` to the free list; the number returned."""
         table = self.tables.pop(seq_id, [])
         self._free.extend(table)
         return len(table)
-
-
-class PagedKVCache:
-    """Per-layer K and V tensors in the paged layout, plus the block manager that owns their blocks."""
-
-    def __init__(self, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        self.manager = BlockManager(num_blocks, block_size)
-        shape = (num_blocks, block_size, n_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-
-    @property
-    def block_size(self) -> int:
-        return self.manager.block_size
-
-    def slots(self, table: list[int], start: int, end: int) -> list[int]:
-        """Flat slot indices (``block * block_size + offset``) of token positions ``start..end-1``."""
-        bs = self.block_size
-        return [table[t // bs] * bs + t % bs for t in range(start, end)]

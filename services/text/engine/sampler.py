@@ -1,12 +1,21 @@
-"""Turning next-token logits into tokens, one request at a time so every request keeps its own options and its
-own seeded ``torch.Generator`` (the same seed gives the same tokens whatever else shares the batch).
+"""Turning next-token logits into tokens, every row with its own options and its own seeded ``torch.Generator`` (the
+same seed gives the same tokens whatever else shares the batch).
 
 Order of operations (as in vLLM/HF): penalties on raw logits -> greedy argmax, or temperature -> top-k -> top-p
--> min-p -> inverse-CDF draw with the request's generator. Logprobs are those of the unmodified model
-distribution ``log_softmax(logits)``.
+-> min-p -> inverse-CDF draw with one uniform from the request's generator. Logprobs are those of the unmodified
+model distribution ``log_softmax(logits)``.
+
+``sample_batch`` runs on the device the logits live on: the filters work on all rows at once, each row with its own
+parameters, and the uniforms come from the requests' CPU generators (one number per sampled row), so the draw of a
+row depends only on its own logits and generator. Only the chosen ids (and the logprobs asked for) come back to the
+host, in one copy.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -24,55 +33,72 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
                     output_ids: list[int]) -> torch.Tensor:
     """Repetition penalty (Keskar et al. 2019, CTRL: divide positive / multiply negative logits of every seen
     token, prompt included) then presence/frequency penalties (OpenAI: ``-presence*[count>0] - frequency*count``
-    over generated tokens only). ``logits``: (V,)."""
+    over generated tokens only). ``logits``: (V,), on any device."""
     logits = logits.clone()
     if params.repetition_penalty != 1:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
         picked = logits[seen]
         logits[seen] = torch.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)
     if output_ids and (params.presence_penalty or params.frequency_penalty):
-        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=logits.numel()).to(logits)
+        ids = torch.tensor(output_ids, dtype=torch.long, device=logits.device)
+        counts = torch.bincount(ids, minlength=logits.numel()).to(logits)
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits)
     return logits
 
 
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p (nucleus; Holtzman et al. 2020) and min-p masks. ``logits``: (V,)."""
-    logits = logits / params.temperature
-    if 0 < params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
+def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]  # (R, 1)
+
+
+def filter_logits_batch(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p (nucleus; Holtzman et al. 2020) and min-p masks, each row (R, V) with its own
+    ``params`` (temperature > 0). Filtered-out logits become -inf."""
+    logits = logits / _column([p.temperature for p in params], logits)
+    ks = [p.top_k if 0 < p.top_k < logits.shape[-1] else 0 for p in params]
+    if any(ks):
+        # Keep every logit >= the k-th largest (ties at the boundary stay, as torch.topk's threshold does).
+        k_max = max(ks)
+        top = torch.topk(logits, k_max, dim=-1).values  # (R, k_max)
+        kth = top.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=logits.device)[:, None])
+        kth = torch.where(_column([float(k > 0) for k in ks], logits) > 0, kth, torch.full_like(kth, float("-inf")))
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1:
-        sorted_logits, order = torch.sort(logits, descending=True)
+    if any(p.top_p < 1 for p in params):
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
         probs = sorted_logits.softmax(-1)
         # Drop a token when the mass strictly before it already reaches top_p (the top token always stays).
-        drop = (probs.cumsum(-1) - probs) >= params.top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    if params.min_p > 0:
+        drop = (probs.cumsum(-1) - probs) >= _column([p.top_p for p in params], probs)
+        drop &= _column([float(p.top_p < 1) for p in params], probs) > 0
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+    if any(p.min_p > 0 for p in params):
         probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+        floor = _column([p.min_p for p in params], probs) * probs.amax(-1, keepdim=True)
+        logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
 
 
-def draw(logits: torch.Tensor, generator: torch.Generator) -> int:
-    """Inverse-CDF sampling with one uniform from ``generator``: the draw depends only on the request's own
-    generator state and probabilities."""
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``filter_logits_batch`` for one row (V,)."""
+    return filter_logits_batch(logits[None], [params])[0]
+
+
+def draw_batch(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: row r takes the first token whose cumulative probability exceeds ``uniforms[r]`` of the
+    row's mass (float64 throughout). logits (R, V), uniforms (R,) in [0, 1) -> token ids (R,)."""
     probs = logits.softmax(-1, dtype=torch.float64)
+    cdf = probs.cumsum(-1)
+    target = uniforms.to(cdf)[:, None] * probs.sum(-1, keepdim=True)
+    idx = torch.searchsorted(cdf, target).clamp_(max=probs.shape[-1] - 1)  # (R, 1)
+    # searchsorted can land on a zero-probability slot at the very top of the CDF: step back to the last token
+    # with mass at or before it.
+    positive = torch.where(probs > 0, torch.arange(probs.shape[-1], device=probs.device), -1)
+    last_positive = positive.cummax(-1).values
+    return last_positive.gather(1, idx)[:, 0]
+
+
+def draw(logits: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from logits (V,) with one uniform from ``generator``."""
     u = torch.rand((1,), generator=generator, dtype=torch.float64)
-    idx = int(torch.searchsorted(probs.cumsum(-1), u * probs.sum()).item())
-    idx = min(idx, probs.numel() - 1)
-    while probs[idx] == 0:  # searchsorted can land on a zero-probability slot at the very top of the CDF
-        idx -= 1
-    return idx
-
-
-def token_logprob(logits: torch.Tensor, token: int, n_top: int) -> TokenLogprob:
-    logp = logits.float().log_softmax(-1)
-    top = ()
-    if n_top:
-        values, ids = torch.topk(logp, n_top)
-        top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
-    return TokenLogprob(token, float(logp[token]), top)
+    return int(draw_batch(logits[None], u)[0])
 
 
 def argmax(logits: torch.Tensor) -> int:
@@ -82,10 +108,68 @@ def argmax(logits: torch.Tensor) -> int:
     return int(logits.numpy().argmax()) if logits.device.type == "cpu" else int(logits.argmax().item())
 
 
+class SampleRow(Protocol):
+    """What sampling one row needs from its request (an engine ``Sequence`` is one): options, generator and the
+    tokens seen so far (for penalties)."""
+
+    params: SamplingParams
+    generator: torch.Generator
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
+@dataclass
+class _Row:
+    params: SamplingParams
+    generator: torch.Generator
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
+def sample_batch(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[tuple[int, TokenLogprob | None]]:
+    """The next token of every row of ``logits`` (R, V) and its logprob entry when asked for, computed where the
+    logits live. Plain greedy rows on the CPU take numpy's argmax row by row (the decode hot path)."""
+    raw = logits.float()
+    if raw.device.type == "cpu" and all(r.params.greedy and not r.params.has_penalties and not r.params.logprobs
+                                        for r in rows):
+        return [(argmax(raw[i]), None) for i in range(len(rows))]
+    x = raw
+    penalised = [i for i, r in enumerate(rows) if r.params.has_penalties]
+    if penalised:
+        x = raw.clone()
+        for i in penalised:
+            x[i] = apply_penalties(raw[i], rows[i].params, rows[i].prompt_ids, rows[i].output_ids)
+    tokens = x.argmax(-1)  # (R,): the greedy rows' answer; sampled rows are overwritten below
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if sampled:
+        index = torch.tensor(sampled, device=x.device)
+        uniforms = torch.cat([torch.rand((1,), generator=rows[i].generator, dtype=torch.float64) for i in sampled])
+        filtered = filter_logits_batch(x[index], [rows[i].params for i in sampled])
+        tokens = tokens.index_copy(0, index, draw_batch(filtered, uniforms.to(x.device, non_blocking=True)))
+    wants = [i for i, r in enumerate(rows) if r.params.logprobs]
+    if not wants:
+        return [(t, None) for t in tokens.tolist()]
+    index = torch.tensor(wants, device=x.device)
+    logp = raw[index].log_softmax(-1)  # (W, V)
+    chosen = logp.gather(1, tokens[index][:, None])[:, 0]
+    n_top = max(rows[i].params.logprobs for i in wants)
+    top_values, top_ids = torch.topk(logp, n_top, dim=-1)
+    # One device-to-host copy for everything that leaves the device this step.
+    host = torch.cat([tokens.double(), chosen.double(), top_values.double().flatten(), top_ids.double().flatten()])
+    host = host.cpu()
+    n_rows = len(rows)
+    ids = host[:n_rows].long().tolist()
+    chosen_h = host[n_rows:n_rows + len(wants)].tolist()
+    tv = host[n_rows + len(wants):n_rows + len(wants) * (1 + n_top)].view(len(wants), n_top).tolist()
+    ti = host[n_rows + len(wants) * (1 + n_top):].long().view(len(wants), n_top).tolist()
+    out: list[tuple[int, TokenLogprob | None]] = [(t, None) for t in ids]
+    for j, i in enumerate(wants):
+        k = rows[i].params.logprobs
+        out[i] = (ids[i], TokenLogprob(ids[i], chosen_h[j], tuple(zip(ti[j][:k], tv[j][:k], strict=True))))
+    return out
+
+
 def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, prompt_ids: list[int],
                output_ids: list[int]) -> tuple[int, TokenLogprob | None]:
     """The next token for one request from its logits row (V,), and its logprob entry when asked for."""
-    raw = logits.float()
-    x = apply_penalties(raw, params, prompt_ids, output_ids) if params.has_penalties else raw
-    token = argmax(x) if params.greedy else draw(filter_logits(x, params), generator)
-    return token, token_logprob(raw, token, params.logprobs) if params.logprobs else None
+    return sample_batch(logits[None], [_Row(params, generator, prompt_ids, output_ids)])[0]

@@ -112,17 +112,21 @@ def test_eos_finishes_with_reason_eos(model):
     assert reason == "eos" and cut == ids[: ids.index(ids[4]) + 1]
 
 
+@pytest.fixture
+def _fused(cpu_kernels) -> None:
+    """The lookahead runs on the CPU runner's fused step: these tests need the C kernels."""
+
+
 def _count_lookahead_calls(engine: LLMEngine) -> list[int]:
     """Record the step count of every multi-step kernel call the engine makes."""
-    if engine.cpu_decoder is None:
-        pytest.skip("no working C compiler: the engine runs forward_paged only")
+    assert engine.runner.fused is not None, "the CPU runner should have its fused step for this fp32 Llama"
     calls: list[int] = []
-    greedy = engine.cpu_decoder.greedy
-    engine.cpu_decoder.greedy = lambda batch, steps, k, v: calls.append(steps) or greedy(batch, steps, k, v)
+    greedy = engine.runner.fused.greedy
+    engine.runner.fused.greedy = lambda batch, steps, k, v: calls.append(steps) or greedy(batch, steps, k, v)
     return calls
 
 
-def test_greedy_lookahead_gives_the_tokens_of_single_steps_in_fewer_kernel_calls(model):
+def test_greedy_lookahead_gives_the_tokens_of_single_steps_in_fewer_kernel_calls(_fused, model):
     ps = prompts(4, seed=6)
     params = [SamplingParams(max_tokens=m, temperature=0, stop=stop) for m, stop in
               ((1, ()), (2, ()), (9, ()), (40, ("\n",)))]
@@ -131,7 +135,7 @@ def test_greedy_lookahead_gives_the_tokens_of_single_steps_in_fewer_kernel_calls
     calls = _count_lookahead_calls(engine)
     assert engine.generate_batch(ps, params) == single
     assert calls and max(calls) == 5 and all(1 < c <= 5 for c in calls)
-    assert engine.kv_blocks_free == engine.cache.manager.num_blocks
+    assert engine.kv_blocks_free == engine.blocks.num_blocks
     # EOS in the middle of a multi-step run: the tokens after it are dropped.
     _, ids, _ = single[3]
     engine.eos_ids = frozenset({ids[6]})
@@ -142,14 +146,14 @@ def test_greedy_lookahead_gives_the_tokens_of_single_steps_in_fewer_kernel_calls
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=12, temperature=0.8, seed=1),
                                     SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.3),
                                     SamplingParams(max_tokens=12, temperature=0, logprobs=2)])
-def test_lookahead_only_runs_plain_greedy_requests(model, params):
+def test_lookahead_only_runs_plain_greedy_requests(_fused, model, params):
     engine = engine_for(model)
     calls = _count_lookahead_calls(engine)
     engine.generate_batch(prompts(2, seed=7), params)
     assert calls == []
 
 
-def test_interactive_requests_get_every_token_from_its_own_step(model):
+def test_interactive_requests_get_every_token_from_its_own_step(_fused, model):
     engine = engine_for(model)
     calls = _count_lookahead_calls(engine)
     steps_with_tokens = []
@@ -160,7 +164,7 @@ def test_interactive_requests_get_every_token_from_its_own_step(model):
     assert calls == [] and steps_with_tokens == [1] * 12
 
 
-def test_lookahead_waits_while_requests_queue_for_admission(model):
+def test_lookahead_waits_while_requests_queue_for_admission(_fused, model):
     engine = engine_for(model, max_running=1)
     calls = _count_lookahead_calls(engine)
     params = SamplingParams(max_tokens=10, temperature=0)
@@ -190,7 +194,7 @@ def test_logprobs_are_the_model_distribution(model):
 
 def test_streaming_cancellation_returns_every_block_at_once(model):
     engine = AsyncLLMEngine(engine_for(model))
-    total = engine.engine.cache.manager.num_blocks
+    total = engine.engine.blocks.num_blocks
 
     async def consume() -> list:
         got = []

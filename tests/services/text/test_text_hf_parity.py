@@ -69,19 +69,15 @@ def test_greedy_generation_matches_transformers_alone_and_in_a_batch(checkpoint)
     results = engine.generate_batch([prompt, *others], params)
     assert results[0][1] == expected
     assert [len(r[1]) for r in results] == [p.max_tokens for p in params]
-    assert engine.kv_blocks_free == engine.cache.manager.num_blocks
+    assert engine.kv_blocks_free == engine.blocks.num_blocks
 
 
-def test_fused_cpu_decode_steps_match_forward_paged(checkpoint):
+def test_fused_cpu_decode_steps_match_forward_paged(checkpoint, cpu_kernels):
     """The engine's fused CPU decode kernel (one call per step) against the module path on the same batches,
     mixed context lengths in one batch, Mistral's window crossed, Qwen2's q/k/v biases."""
-    from kernels import cpu_decode_step
-
-    if not cpu_decode_step.available():
-        pytest.skip("no working C compiler: the engine runs forward_paged only")
     arch, _, directory = checkpoint
     engine = make_engine(directory, block_size=4, max_lookahead=1)  # one kernel call per step, each compared
-    fused = engine.cpu_decoder
+    fused = engine.runner.fused
     assert fused is not None
     diffs: list[float] = []
 
@@ -91,26 +87,22 @@ def test_fused_cpu_decode_steps_match_forward_paged(checkpoint):
         diffs.append(float((out - reference).abs().max()))
         return out
 
-    engine.cpu_decoder = both
+    engine.runner.fused = both
     prompts = [list(range(1, 20)), list(range(40, 45)), list(range(100, 131))]
     engine.generate_batch(prompts, SamplingParams(max_tokens=24, temperature=0))
     assert len(diffs) >= 20
     assert max(diffs) <= LOGITS_ATOL
 
 
-def test_fused_cpu_decode_refuses_ids_and_positions_outside_its_tables(checkpoint):
+def test_fused_cpu_decode_refuses_ids_and_positions_outside_its_tables(checkpoint, cpu_kernels):
     """The C step indexes the embedding and the RoPE tables directly: a bad id must be an error, not a wild read."""
-    from kernels import cpu_decode_step
-
-    if not cpu_decode_step.available():
-        pytest.skip("no working C compiler: the engine runs forward_paged only")
     _, _, directory = checkpoint
     engine = make_engine(directory, block_size=4)
-    model, kernel = engine.model, engine.cpu_decoder.kernel
+    model, kernel = engine.model, engine.runner.fused.kernel
     cos, sin = model.rope.tables()
     one = torch.zeros(1, dtype=torch.long)
     args = dict(slots=one, tables=torch.zeros(1, 1, dtype=torch.int32), lens=torch.ones(1, dtype=torch.int32),
-                cos=cos, sin=sin, k_caches=engine.cache.k, v_caches=engine.cache.v)
+                cos=cos, sin=sin, k_caches=engine.runner.k_caches, v_caches=engine.runner.v_caches)
     assert kernel.run(one, one, **args).shape == (1, model.config.vocab_size)
     with pytest.raises(ValueError, match="token id"):
         kernel.run(torch.tensor([model.config.vocab_size]), one, **args)

@@ -10,7 +10,7 @@ from text_helpers import byte_tokenizer
 
 from services.text.config import LlamaConfig, from_hf, to_hf
 from services.text.engine.detokenizer import IncrementalDetokenizer, StopChecker
-from services.text.engine.kv_cache import BlockManager, blocks_for_budget
+from services.text.engine.kv_cache import BlockManager, block_bytes
 from services.text.engine.params import SamplingParams
 from services.text.engine.sampler import apply_penalties, draw, filter_logits, make_generator
 from services.text.loader import load_model, weight_files
@@ -85,7 +85,7 @@ def test_block_manager_grows_frees_and_sizes_from_the_memory_budget():
         bm.grow("b", 9)
     assert bm.free("a") == 3 and bm.num_free == 5
     # 2 (K, V) x 2 layers x 2 kv heads x 8 dims x 4 bytes x 4 tokens = 1024 bytes per block
-    assert blocks_for_budget(10 * 1024 + 5, 4, 2, 2, 8, torch.float32) == 10
+    assert block_bytes(4, 2, 2, 8, torch.float32) == 1024
 
 
 def test_config_reads_transformers_4_and_5_spellings():

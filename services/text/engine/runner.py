@@ -1,0 +1,52 @@
+"""The contract between the engine and a model runner (vLLM's worker / model-runner split).
+
+The engine schedules: it decides which tokens of which requests run this step, owns the block tables and checks
+every finish condition. A runner computes: it owns the weights, the KV-cache tensors, the forward pass and
+sampling, on one kind of device. The engine never learns which device or kernel ran; it hands a runner a
+``PagedBatch`` plus the sampled rows' requests and gets token ids (and the logprobs asked for) back.
+
+Runners: ``services/text/runners/cpu.py`` (fused C decode step, greedy lookahead) and ``runners/cuda.py`` (torch +
+Triton through the backend, sampling on the device, CUDA graphs); ``services/text/runners.make_runner`` picks one
+once, at start-up.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from services.text.engine.params import TokenLogprob
+from services.text.engine.sampler import SampleRow
+from services.text.model import LlamaForCausalLM
+from services.text.paged import PagedBatch
+
+
+class ModelRunner(Protocol):
+    name: str  # "cpu" | "cuda": what GetModelInfo reports
+    cpu_kernels: bool  # the C kernels are in use (the CPU runner, where they built)
+    model: LlamaForCausalLM
+    device: torch.device
+
+    def kv_cache_budget(self, kv_cache_bytes: int, kv_cache_fraction: float, min_bytes: int) -> int:
+        """Bytes for the KV cache: ``kv_cache_bytes`` when > 0, else ``kv_cache_fraction`` of the device memory
+        left after the weights, else the runner's default; never less than ``min_bytes`` (one full context)."""
+        ...
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Allocate the per-layer K/V tensors in the paged layout (docs/architecture.md)."""
+        ...
+
+    def max_steps(self, n_tokens: int) -> int:
+        """How many greedy decode steps one ``execute_greedy`` call may take for a decode-only batch of
+        ``n_tokens`` tokens; 1 when the runner has no multi-step path."""
+        ...
+
+    def execute(self, batch: PagedBatch, rows: list[SampleRow]) -> list[tuple[int, TokenLogprob | None]]:
+        """Run ``batch`` (writing its K/V into the cache) and sample one token per row of ``batch.logits_index``;
+        ``rows[i]`` is the request behind logits row i."""
+        ...
+
+    def execute_greedy(self, batch: PagedBatch, steps: int) -> list[list[int]]:
+        """``steps`` greedy tokens for every token of a decode-only batch whose block tables already cover them."""
+        ...

@@ -1,0 +1,155 @@
+"""The CPU model runner: prefill and mixed steps through ``LlamaForCausalLM.forward_paged`` (torch ops and the
+per-op C kernels behind the backend), decode-only steps of fp32 models through one fused C call per step
+(``kernels.cpu_decode_step``), and greedy lookahead: several decode steps per call, the argmax fed back in C.
+
+A decode step reads every weight once; op by op in PyTorch, the small tensor ops around the matrix-vector products
+cost about as much again as the products themselves, hence the fused step. It applies to fp32 Llama-family models
+with SwiGLU FFNs and rotate-half RoPE; anything else (quantised weights, gated attention, the parallel block, MoE,
+interleaved RoPE, a biased LM head, or no C compiler) keeps ``forward_paged``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from kernels import _cpu_library, cpu_decode_step
+from services.text.engine.params import TokenLogprob
+from services.text.engine.sampler import SampleRow, sample_batch
+from services.text.model import LlamaForCausalLM
+from services.text.paged import PagedBatch
+from shared.blocks.ffn import SwiGLU
+
+# The fused kernel's products run row by row: past this many tokens, blocked GEMMs (forward_paged) win.
+FUSED_MAX_TOKENS = 16
+DEFAULT_KV_CACHE_BYTES = 256 * 2**20
+
+
+def _weight(linear: nn.Module) -> torch.Tensor:
+    return linear.weight.detach()
+
+
+def _bias(linear: nn.Module) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.detach()
+
+
+class FusedDecodeStep:
+    """The whole decode step of ``model`` in one kernel call: the runner packs the model's weights into the kernel's
+    per-layer structs once (pointers into the model's own tensors, no copies)."""
+
+    def __init__(self, model: LlamaForCausalLM):
+        self.model = model
+        cfg = model.config
+        layers = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(cpu_decode_step.LayerWeights(
+                ln1=layer.input_layernorm.weight.detach(), ln2=layer.post_attention_layernorm.weight.detach(),
+                wq=_weight(attn.q_proj), wk=_weight(attn.k_proj), wv=_weight(attn.v_proj), wo=_weight(attn.o_proj),
+                bq=_bias(attn.q_proj), bk=_bias(attn.k_proj), bv=_bias(attn.v_proj),
+                wg=_weight(mlp.gate_proj), wu=_weight(mlp.up_proj), wd=_weight(mlp.down_proj),
+                n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, eps=cfg.norm_eps,
+                scale=attn.sm_scale, window=cfg.sliding_window))
+        self.kernel = cpu_decode_step.StepKernel(
+            layers, embed=model.model.embed_tokens.weight.detach(), norm=model.model.norm.weight.detach(),
+            eps=model.model.norm.eps, head=_weight(model.lm_head), n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+            head_dim=cfg.head_dim, ffn=cfg.ffn_hidden)
+
+    @staticmethod
+    def applies(model: nn.Module) -> bool:
+        """True when the fused kernel computes exactly what ``forward_paged`` does for this model (checked before
+        the kernels are built, so a model it cannot run never compiles them)."""
+        if not isinstance(model, LlamaForCausalLM):
+            return False
+        cfg, head = model.config, model.lm_head
+        if cfg.gated_attention or cfg.parallel_block or cfg.n_experts:
+            return False
+        if (not isinstance(head, nn.Linear) or head.bias is not None or head.weight.dtype != torch.float32
+                or head.weight.device.type != "cpu" or model.model.embed_tokens.weight.dtype != torch.float32):
+            return False
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, layer.mlp.gate_proj,
+                           layer.mlp.up_proj, layer.mlp.down_proj) if isinstance(layer.mlp, SwiGLU) else ()
+            if (attn.rope_interleaved or attn.o_proj.bias is not None or not projections
+                    or any(not isinstance(p, nn.Linear) or p.weight.dtype != torch.float32
+                           or p.weight.device.type != "cpu" for p in projections)):
+                return False
+        return True
+
+    def __call__(self, batch: PagedBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
+                 ) -> torch.Tensor:
+        """Next-token logits (S, V) for a batch of decode tokens only (``batch.prefills`` empty)."""
+        if batch.prefills:
+            raise ValueError("the fused decode step runs decode-only batches; prefill chunks go through forward_paged")
+        cos, sin = self.model.rope.tables()
+        logits = self.kernel.run(batch.input_ids, batch.positions, batch.slots, batch.decode_tables, batch.decode_lens,
+                                 cos, sin, k_caches, v_caches)  # (M, V): every decode token samples
+        return logits if logits.shape[0] == batch.logits_index.numel() else logits[batch.logits_index]
+
+    def greedy(self, batch: PagedBatch, steps: int, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
+               ) -> list[list[int]]:
+        """``steps`` greedy tokens for every decode token of a decode-only batch, in one kernel call: each row's
+        argmax is fed back at its next position. The batch's block tables must already cover ``steps`` positions
+        from each token's."""
+        if batch.prefills:
+            raise ValueError("the fused decode step runs decode-only batches; prefill chunks go through forward_paged")
+        cos, sin = self.model.rope.tables()
+        return self.kernel.greedy(steps, batch.input_ids, batch.positions, batch.slots, batch.decode_tables,
+                                  batch.decode_lens, cos, sin, k_caches, v_caches).tolist()
+
+
+def _memory_available() -> int:
+    """MemAvailable from /proc/meminfo (bytes), the memory a new allocation can take without swapping."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class CpuRunner:
+    name = "cpu"
+
+    def __init__(self, model: LlamaForCausalLM, *, max_lookahead: int = 8, fused: bool = True):
+        self.model = model.eval()
+        self.device = torch.device("cpu")
+        self.max_lookahead = max_lookahead
+        # Decide before building anything: a model the fused step cannot run never compiles the C kernels.
+        self.fused = FusedDecodeStep(model) if fused and FusedDecodeStep.applies(model) and \
+            cpu_decode_step.available() else None
+        self.cpu_kernels = _cpu_library.status().available  # per-op kernels behind the backend, or the fused step
+        self.k_caches: list[torch.Tensor] = []
+        self.v_caches: list[torch.Tensor] = []
+
+    def kv_cache_budget(self, kv_cache_bytes: int, kv_cache_fraction: float, min_bytes: int) -> int:
+        if kv_cache_bytes:
+            return kv_cache_bytes
+        if kv_cache_fraction:
+            return int(kv_cache_fraction * _memory_available())
+        return max(DEFAULT_KV_CACHE_BYTES, min_bytes)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        cfg = self.model.config
+        dtype = self.model.model.embed_tokens.weight.dtype
+        shape = (num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.n_layers)]
+
+    def max_steps(self, n_tokens: int) -> int:
+        return self.max_lookahead if self.fused is not None and n_tokens <= FUSED_MAX_TOKENS else 1
+
+    def execute(self, batch: PagedBatch, rows: list[SampleRow]) -> list[tuple[int, TokenLogprob | None]]:
+        fused = self.fused is not None and not batch.prefills and batch.n_decode <= FUSED_MAX_TOKENS
+        forward = self.fused if fused else self.model.forward_paged
+        logits = forward(batch, self.k_caches, self.v_caches)  # (S, V)
+        return sample_batch(logits, rows)
+
+    def execute_greedy(self, batch: PagedBatch, steps: int) -> list[list[int]]:
+        if self.fused is None:
+            raise RuntimeError("this model has no fused decode step: max_steps() is 1")
+        return self.fused.greedy(batch, steps, self.k_caches, self.v_caches)

@@ -1,0 +1,153 @@
+"""The CUDA model runner: every step through ``LlamaForCausalLM.forward_paged`` on the backend's Triton kernels
+(flash attention for prefill, paged decode, fused RMSNorm with the residual add, RoPE), sampling on the device, and
+decode-only steps replayed from CUDA graphs.
+
+Per step, only the sampled ids (and the logprobs a request asked for) are copied to the host. The same runner runs
+on CPU tensors when ``GENSERVE_BACKEND=triton`` forces the Triton kernels there (under ``TRITON_INTERPRET=1``), which
+tests this runner's math without a GPU; graphs are then off and the decode batch runs eagerly on the same padded
+buffers.
+
+CUDA graphs: a decode step launches a few kernels per layer for a handful of tokens, so at small batch sizes the
+launches, not the GPU, set the pace. One graph is captured per padded batch size (``GRAPH_BATCH_SIZES`` up to
+``max_running``); a decode batch copies its tokens into the static buffers of the next size up, and the rows past
+its own attend to one private sink slot of the cache, so they neither read nor write anyone's keys.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from services.text.engine.params import TokenLogprob
+from services.text.engine.sampler import SampleRow, sample_batch
+from services.text.model import LlamaForCausalLM
+from services.text.paged import PagedBatch
+
+log = logging.getLogger(__name__)
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+DEFAULT_KV_CACHE_FRACTION = 0.5  # of the device memory left after the weights (replicas may share a GPU)
+CPU_DEFAULT_KV_CACHE_BYTES = 256 * 2**20
+
+
+class DecodeGraphs:
+    """Static decode batches, one per padded size, and (on CUDA) the graph of ``forward_paged`` over each."""
+
+    def __init__(self, model: LlamaForCausalLM, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], *,
+                 max_batch: int, max_blocks: int, sink_block: int, capture: bool):
+        self.model, self.k_caches, self.v_caches = model, k_caches, v_caches
+        larger = [s for s in GRAPH_BATCH_SIZES if s >= max_batch]
+        self.sizes = [s for s in GRAPH_BATCH_SIZES if s < max_batch] + [larger[0] if larger else max_batch]
+        n, device = self.sizes[-1], k_caches[0].device
+        self.block_size = k_caches[0].shape[1]
+        self.sink_block = sink_block
+        self.ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slots = torch.full((n,), sink_block * self.block_size, dtype=torch.long, device=device)
+        self.tables = torch.full((n, max_blocks), sink_block, dtype=torch.int32, device=device)
+        self.lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.index = torch.arange(n, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if capture:
+            self._capture()
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def _static_batch(self, size: int) -> PagedBatch:
+        return PagedBatch(input_ids=self.ids[:size], positions=self.positions[:size], slots=self.slots[:size],
+                          decode_tables=self.tables[:size], decode_lens=self.lens[:size], prefills=(),
+                          logits_index=self.index[:size])
+
+    def _capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for size in reversed(self.sizes):  # the largest first, so the smaller ones reuse its pool
+                batch = self._static_batch(size)
+                for _ in range(2):  # autotuning and first allocations happen outside the capture
+                    self.model.forward_paged(batch, self.k_caches, self.v_caches)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    logits = self.model.forward_paged(batch, self.k_caches, self.v_caches)
+                self.graphs[size] = (graph, logits)
+        torch.cuda.current_stream().wait_stream(stream)
+
+    def run(self, batch: PagedBatch) -> torch.Tensor:
+        """Logits (n, V) of a decode-only batch of n <= max_batch tokens, through the static buffers."""
+        n = batch.n_decode
+        size = next(s for s in self.sizes if s >= n)
+        width = batch.decode_tables.shape[1]
+        self.ids[:n].copy_(batch.input_ids, non_blocking=True)
+        self.positions[:n].copy_(batch.positions, non_blocking=True)
+        self.slots[:n].copy_(batch.slots, non_blocking=True)
+        self.tables[:n, :width].copy_(batch.decode_tables, non_blocking=True)
+        self.tables[:n, width:] = 0
+        self.lens[:n].copy_(batch.decode_lens, non_blocking=True)
+        # Rows n..size-1 keep what the previous, larger step left there: restore them to the sink.
+        self.ids[n:size] = 0
+        self.positions[n:size] = 0
+        self.slots[n:size] = self.sink_block * self.block_size
+        self.tables[n:size] = self.sink_block
+        self.lens[n:size] = 1
+        if size in self.graphs:
+            graph, logits = self.graphs[size]
+            graph.replay()
+            return logits[:n]
+        return self.model.forward_paged(self._static_batch(size), self.k_caches, self.v_caches)[:n]
+
+
+class CudaRunner:
+    name = "cuda"
+    cpu_kernels = False  # never built here: a CUDA replica must not compile CPU kernels at start-up
+
+    def __init__(self, model: LlamaForCausalLM, *, max_running: int = 64, cuda_graphs: bool = True):
+        self.model = model.eval()
+        self.device = model.model.embed_tokens.weight.device
+        self.max_running = max_running
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and not model.config.n_experts
+        self.k_caches: list[torch.Tensor] = []
+        self.v_caches: list[torch.Tensor] = []
+        self.graphs: DecodeGraphs | None = None
+
+    def kv_cache_budget(self, kv_cache_bytes: int, kv_cache_fraction: float, min_bytes: int) -> int:
+        if kv_cache_bytes:
+            return kv_cache_bytes
+        if self.device.type != "cuda":
+            return max(CPU_DEFAULT_KV_CACHE_BYTES, min_bytes)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return int((kv_cache_fraction or DEFAULT_KV_CACHE_FRACTION) * free)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        cfg = self.model.config
+        dtype = self.model.model.embed_tokens.weight.dtype
+        # One block past the engine's: the sink that padded graph rows read and write.
+        shape = (num_blocks + 1, block_size, cfg.n_kv_heads, cfg.head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.n_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.n_layers)]
+        max_blocks = -(-cfg.max_position // block_size)
+        try:
+            self.graphs = DecodeGraphs(self.model, self.k_caches, self.v_caches, max_batch=self.max_running,
+                                       max_blocks=max_blocks, sink_block=num_blocks, capture=self.cuda_graphs)
+        except RuntimeError as exc:  # a kernel that cannot be captured: keep the eager path, say so once
+            log.warning("CUDA graphs off, decode steps run eagerly: %s", exc)
+            self.cuda_graphs = False
+            self.graphs = DecodeGraphs(self.model, self.k_caches, self.v_caches, max_batch=self.max_running,
+                                       max_blocks=max_blocks, sink_block=num_blocks, capture=False)
+
+    def max_steps(self, n_tokens: int) -> int:
+        return 1
+
+    def execute(self, batch: PagedBatch, rows: list[SampleRow]) -> list[tuple[int, TokenLogprob | None]]:
+        if not batch.prefills and self.graphs is not None and batch.n_decode <= self.graphs.max_batch:
+            logits = self.graphs.run(batch.to(self.device))
+        else:
+            logits = self.model.forward_paged(batch, self.k_caches, self.v_caches)
+        return sample_batch(logits, rows)
+
+    def execute_greedy(self, batch: PagedBatch, steps: int) -> list[list[int]]:
+        raise RuntimeError("the CUDA runner takes one step per call: max_steps() is 1")

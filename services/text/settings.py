@@ -1,0 +1,38 @@
+"""The text app's settings, from its serve config `args` (deploy/serve_config*.yaml), validated with pydantic: a bad
+value fails the deploy with the field named. They flow one way: `args` -> `TextArgs` -> `EngineConfig` + the load
+dtype -> the runner; GetModelInfo reports what took effect (docs/deploy.md lists every field)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from services.common.builder import AppArgs
+from services.text.engine import EngineConfig
+
+
+class TextArgs(AppArgs):
+    # "auto": bfloat16 on CUDA, float32 on the CPU; "int8": int8 weight-only linear layers.
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "int8"] = "auto"
+    # The KV cache: bytes, or a fraction of the device memory left after the weights (vLLM's
+    # gpu_memory_utilization, applied to what is left); neither: the runner's default. Never below one full context.
+    kv_cache_bytes: int | None = Field(None, gt=0)
+    kv_cache_fraction: float | None = Field(None, gt=0, lt=1)
+    max_batched_tokens: int = Field(512, ge=1, le=1 << 20)  # tokens per engine step (decode + prefill chunks)
+    max_running: int = Field(64, ge=1, le=4096)  # sequences in the running batch
+    max_lookahead: int = Field(8, ge=1, le=64)  # greedy steps per call where the runner has a multi-step path
+    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA runner)
+
+    @model_validator(mode="after")
+    def _one_kv_budget(self) -> TextArgs:
+        if self.kv_cache_bytes is not None and self.kv_cache_fraction is not None:
+            raise ValueError("kv_cache_bytes: give kv_cache_bytes or kv_cache_fraction, not both")
+        return self
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            kv_cache_bytes=self.kv_cache_bytes or 0, kv_cache_fraction=self.kv_cache_fraction or 0.0,
+            max_batched_tokens=self.max_batched_tokens, max_running=self.max_running,
+            max_lookahead=self.max_lookahead, cuda_graphs=self.cuda_graphs,
+        )
