@@ -13,7 +13,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,21 +86,18 @@ def _missing_weights() -> list[str]:
     ]
 
 
-@pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    missing = _missing_weights()
-    if missing:
-        pytest.fail(f"no weights to serve: {', '.join(missing)}")
-    base = int(os.environ.get("GENSERVE_E2E_GRPC_PORT", "9100"))
+@contextmanager
+def serving(base: int, log: Path, *options: str) -> Iterator[Stack]:
+    """`python -m services.serve` on the port block of `base` (gRPC base, health base+1, HTTP base-1000, metrics
+    base-998) with `options` added, until the block exits; its output goes to `log`."""
     ports = {"grpc": base, "health": base + 1, "http": base - 1000, "metrics": base - 998}
     busy = [f"{name} {port}" for name, port in ports.items() if not _port_free(port)]
     if busy:
         pytest.fail(f"ports in use ({', '.join(busy)}); set GENSERVE_E2E_GRPC_PORT to another block")
-    log = tmp_path_factory.mktemp("stack") / "serve.log"
     command = [
         sys.executable, "-m", "services.serve", "--grpc-port", str(ports["grpc"]),
         "--health-port", str(ports["health"]), "--http-port", str(ports["http"]),
-        "--metrics-port", str(ports["metrics"]), "--timeout", str(START_TIMEOUT_S - 20),
+        "--metrics-port", str(ports["metrics"]), "--timeout", str(START_TIMEOUT_S - 20), *options,
     ]
     with log.open("w") as out:
         process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
@@ -108,6 +106,27 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield Stack(ports["grpc"], ports["health"], log)
     finally:
         _stop(process)
+
+
+@pytest.fixture(scope="session")
+def base_port() -> int:
+    """The gRPC port of this run's block; tests that start stacks of their own offset it (+20, +30, ...)."""
+    return int(os.environ.get("GENSERVE_E2E_GRPC_PORT", "9100"))
+
+
+@pytest.fixture(scope="session")
+def serve() -> Callable[..., AbstractContextManager[Stack]]:
+    """`serving` for tests that start a stack of their own (another config, another port block)."""
+    return serving
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory, base_port: int) -> Iterator[Stack]:
+    missing = _missing_weights()
+    if missing:
+        pytest.fail(f"no weights to serve: {', '.join(missing)}")
+    with serving(base_port, tmp_path_factory.mktemp("stack") / "serve.log") as running:
+        yield running
 
 
 @pytest.fixture(scope="session")

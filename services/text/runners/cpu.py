@@ -119,7 +119,7 @@ class CpuRunner:
         self.model = model.eval()
         self.device = torch.device("cpu")
         self.max_lookahead = max_lookahead
-        # Decide before building anything: a model the fused step cannot run never compiles the C kernels.
+        # The fused C step where it applies and the kernels built; the model's per-layer forward otherwise.
         self.fused = FusedDecodeStep(model) if fused and FusedDecodeStep.applies(model) and \
             cpu_decode_step.available() else None
         self.cpu_kernels = _cpu_library.status().available  # per-op kernels behind the backend, or the fused step

@@ -78,13 +78,20 @@ def test_dockerfile_torch_is_the_makefile_torch(root: Path) -> None:
     assert _args(DOCKERFILE.read_text())["TORCH_SPEC"] == makefile_spec
 
 
-@pytest.mark.parametrize("keys", [("dependencies",), ("optional-dependencies", "load")])
-def test_dockerfile_requirements_are_read_from_pyproject(keys: tuple[str, ...], root: Path, pyproject: dict) -> None:
+@pytest.mark.parametrize("sources", [
+    [("dependencies",), ("optional-dependencies", "server")],  # the serving image: base + server extra
+    [("optional-dependencies", "load")],
+])
+def test_dockerfile_requirements_are_read_from_pyproject(sources: list[tuple[str, ...]], root: Path,
+                                                         pyproject: dict) -> None:
     """Runs the Dockerfile's own extraction command on pyproject.toml: it must reproduce the pins verbatim."""
-    expected = pyproject["project"]
-    for key in keys:
-        expected = expected[key]
-    marker = "['project']" + "".join(f"['{key}']" for key in keys) + ")"
+    expected = []
+    for keys in sources:
+        section = pyproject["project"]
+        for key in keys:
+            section = section[key]
+        expected += section
+    marker = "['project']" + "".join(f"['{key}']" for key in sources[-1]) + ")"
     commands = [
         c for i in _instructions(DOCKERFILE.read_text()) if i.startswith("RUN ")
         for c in i[4:].split("&&") if "tomllib" in c and marker in c

@@ -29,7 +29,7 @@ def test_committed_manifest_is_fresh(root: Path) -> None:
 def test_rayservice_kind_and_ray_version_match_the_pins(rayservice: dict, pyproject: dict) -> None:
     assert rayservice["apiVersion"] == "ray.io/v1"
     assert rayservice["kind"] == "RayService"
-    ray_pin = next(d for d in pyproject["project"]["dependencies"] if d.startswith("ray["))
+    ray_pin = next(d for d in pyproject["project"]["optional-dependencies"]["server"] if d.startswith("ray["))
     assert rayservice["spec"]["rayClusterConfig"]["rayVersion"] == ray_pin.split("==")[1]
 
 

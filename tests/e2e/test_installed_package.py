@@ -1,0 +1,114 @@
+"""The production path: a wheel of this checkout, installed without it (`pip install --no-deps --target`), used from a
+directory outside the checkout. The C kernels must build from the wheel's own sources, a text generation must run
+through them, and a diffusion image must come out of the VAE; both must equal what the checkout computes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Runs in the installed copy; prints one JSON line.
+SCRIPT = textwrap.dedent("""
+    import json
+
+    import torch
+
+    import kernels, services
+    from kernels import _cpu_library
+    from services.common.images import to_png
+    from services.diffusion.pipeline import DiffusionPipeline
+    from services.text.engine import AsyncLLMEngine, SamplingParams
+    from services.vae.model import load_vae
+
+    torch.set_num_threads(2)
+    status = _cpu_library.status()
+    engine = AsyncLLMEngine.from_dir(None).engine
+    fused_calls = 0
+    if engine.runner.fused is not None:
+        step = engine.runner.fused.kernel
+        for name in ("run", "greedy"):
+            def counted(*args, _original=getattr(step, name), **kwargs):
+                global fused_calls
+                fused_calls += 1
+                return _original(*args, **kwargs)
+
+            setattr(step, name, counted)
+    prompt = engine.tokenizer.encode("a red circle")
+    text, token_ids, _ = engine.generate_batch([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0]
+
+    pipeline = DiffusionPipeline.from_dir(None)
+    latents = pipeline.generate(["a large red circle at the center"], steps=4, seed=3)
+    with torch.inference_mode():
+        images = load_vae(None).decode(latents)
+    png = to_png(images[0])
+    print(json.dumps({
+        "kernels": kernels.__file__, "services": services.__file__, "status": status.reason,
+        "available": status.available, "runner": engine.runner.name, "fused": engine.runner.fused is not None,
+        "fused_calls": fused_calls, "token_ids": token_ids, "png": png.hex(),
+        "image_std": float(images.std()),
+    }))
+""")
+
+
+def _run(python_path: Path | None, cwd: Path, cache: Path | None = None) -> dict:
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("GENSERVE_CPU_KERNELS", None)
+    if cache is not None:
+        env["GENSERVE_CACHE_DIR"] = str(cache)
+    if python_path is not None:
+        env["PYTHONPATH"] = str(python_path)
+    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    wheels, target = tmp_path_factory.mktemp("wheels"), tmp_path_factory.mktemp("site")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
+                    str(wheels), str(ROOT)], check=True, capture_output=True, timeout=600)
+    (wheel,) = wheels.glob("genserve-*.whl")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+                   check=True, capture_output=True, timeout=600)
+    return target
+
+
+def test_the_wheel_ships_the_kernel_sources_and_the_weights(installed: Path) -> None:
+    shipped = {p.name for p in (installed / "kernels" / "csrc").iterdir()}
+    assert shipped == {p.name for p in (ROOT / "kernels" / "csrc").iterdir() if p.suffix in (".c", ".h")}
+    for service in ("text", "gan", "vae", "diffusion"):
+        assert list((installed / "services" / service / "weights").glob("*.safetensors")), service
+
+
+def test_installed_package_generates_text_on_c_kernels_and_decodes_a_diffusion_image(
+    installed: Path, tmp_path: Path
+) -> None:
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    # A fresh kernel cache: the installed copy must compile its own shipped sources, not reuse the checkout's build.
+    got = _run(installed, outside, tmp_path / "cache-installed")
+    assert got["kernels"].startswith(str(installed)) and got["services"].startswith(str(installed))
+    assert got["available"], got["status"]
+    assert got["status"] == "built"
+    assert got["runner"] == "cpu" and got["fused"]
+    assert got["fused_calls"] > 0, "the decode steps did not run on the fused C kernel"
+    assert list((tmp_path / "cache-installed").glob("cpu-kernels-*.so"))
+
+    reference = _run(None, ROOT)
+    assert reference["services"].startswith(str(ROOT))
+    assert got["token_ids"] == reference["token_ids"] and len(got["token_ids"]) > 0
+    image = bytes.fromhex(got["png"])
+    assert image[:8] == b"\x89PNG\r\n\x1a\n"
+    assert image == bytes.fromhex(reference["png"])
+    assert got["image_std"] > 0.05  # a picture, not a flat fill
