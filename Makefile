@@ -12,7 +12,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export RAY_AUTH_MODE := disabled
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 
-.PHONY: setup serve test lint protos load
+.PHONY: setup serve test lint protos load gpu-check
 
 setup: $(STAMP)
 
@@ -38,3 +38,7 @@ protos: $(STAMP)
 
 load: $(STAMP)
 	$(PY) -m tests.load.run
+
+# On a machine with a CUDA GPU (and a CUDA build of torch: TORCH_SPEC / deploy/Dockerfile): every GPU check, one table.
+gpu-check: $(STAMP)
+	$(PY) bench/gpu_check.py

@@ -62,7 +62,7 @@ def image_diffusers(unet: torch.nn.Module, pipe: DiffusionPipeline, steps: int,
 
     @torch.inference_mode()
     def one_image(seed: int) -> torch.Tensor:
-        latents = torch.randn((1, *pipe.latent_shape), generator=torch.Generator().manual_seed(seed))
+        latents = torch.randn((1, *pipe.latent_shape), generator=torch.Generator().manual_seed(seed)).to(pipe.device)
         scheduler.set_timesteps(steps)
         for t in scheduler.timesteps:
             out = unet(torch.cat([latents, latents]), t, encoder_hidden_states=context).sample

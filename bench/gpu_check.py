@@ -1,0 +1,285 @@
+"""`make gpu-check`: every GPU check in one run, printed as one table (issue 13). Run it first whenever a GPU is at
+hand, and record the dated table in docs/benchmarks.md.
+
+    .venv/bin/python bench/gpu_check.py [--dry] [--skip-tests]
+
+Rows, each with our figure, the reference's, the ratio and the goal:
+- the GPU-only tests (`pytest -m gpu`): compiled Triton kernels at production sizes, the CUDA runner against
+  transformers;
+- flash attention (bf16, D=128, causal, N = 2k and 4k) against the faster of torch SDPA's flash and cuDNN backends;
+  goal >= 1.0x;
+- paged decode (bf16, Llama-3-8B heads, 16k context, batch 32) as a share of the measured copy bandwidth; goal >= 70%;
+- the text engine in bf16 against transformers on the same GPU and the same random 1.1B Llama (TinyLlama's shape):
+  batch-1 decode, and 64 concurrent requests (mixed 64-512-token prompts, 128 new tokens each, greedy) against
+  transformers' left-padded static batch of 64; goal >= 2x at 64;
+- the diffusion pipeline (20 DDIM steps with guidance) against a diffusers UNet2DConditionModel of the same shape.
+
+``--dry`` runs the same code on the CPU with tiny sizes (Triton under TRITON_INTERPRET=1), so the script cannot rot:
+`make test` runs it that way. Its figures mean nothing; its rows must all be there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):
+    # Run as a file: its own folder would shadow the `kernels` package, so import from the repository root.
+    sys.path[0] = str(ROOT)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+# TinyLlama-1.1B's shape with random weights: big enough that a GPU is busy, small enough to load in seconds.
+TEXT_GPU = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048)
+TEXT_DRY = dict(TEXT_GPU, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=512)
+
+
+@dataclass(frozen=True)
+class Row:
+    check: str
+    ours: str
+    reference: str = ""
+    ratio: str = ""
+    goal: str = ""
+    met: str = ""
+
+
+@dataclass(frozen=True)
+class Sizes:
+    device: str
+    dtype: torch.dtype
+    attn_lens: tuple[int, ...]
+    attn_dim: int
+    attn_tokens: int  # B x N per call (FlashAttention-2's benchmark setup: 16k tokens, hidden 2048)
+    attn_hidden: int  # H x D
+    decode: tuple[int, int, int, int, int]  # context, batch, Hq, Hkv, D
+    text: dict
+    prompt_lens: tuple[int, int]
+    concurrent: int
+    new_tokens: int
+    diffusion_steps: int
+
+
+GPU = Sizes(device="cuda", dtype=torch.bfloat16, attn_lens=(2048, 4096), attn_dim=128, attn_tokens=16384,
+            attn_hidden=2048, decode=(16384, 32, 32, 8, 128), text=TEXT_GPU, prompt_lens=(64, 512), concurrent=64,
+            new_tokens=128, diffusion_steps=20)
+DRY = Sizes(device="cpu", dtype=torch.float32, attn_lens=(64,), attn_dim=16, attn_tokens=64, attn_hidden=32,
+            decode=(64, 2, 4, 2, 16), text=TEXT_DRY, prompt_lens=(4, 16), concurrent=3, new_tokens=4,
+            diffusion_steps=2)
+
+
+def _verdict(value: float, goal: float) -> str:
+    return "yes" if value >= goal else "NO"
+
+
+def timed(fn: Callable[[], object], device: str) -> float:
+    """Median milliseconds per call: triton.testing.do_bench on CUDA (L2 flushed between calls), a few wall-clock
+    calls on the CPU."""
+    if device == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    fn()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+# ---- the GPU-only tests ------------------------------------------------------------------------------------------
+def gpu_tests() -> list[Row]:
+    done = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"],
+                          cwd=ROOT, capture_output=True, text=True)
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr.strip()[-200:]
+    counts = {name: int(n) for n, name in re.findall(r"(\d+) (passed|failed|skipped|error|errors)", summary)}
+    failed = counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
+    ok = done.returncode in (0, 5) and failed == 0  # 5: nothing collected
+    ours = f"{counts.get('passed', 0)} passed, {failed} failed, {counts.get('skipped', 0)} skipped"
+    return [Row("GPU-only tests (pytest -m gpu)", ours, goal="all pass", met="yes" if ok else "NO")]
+
+
+# ---- kernels -----------------------------------------------------------------------------------------------------
+def attention_rows(s: Sizes) -> list[Row]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kernels import flash_attention
+
+    rows = []
+    d = s.attn_dim
+    for n in s.attn_lens:
+        b, h = max(1, s.attn_tokens // n), s.attn_hidden // d
+        q, k, v = (torch.randn(b, h, n, d, device=s.device, dtype=s.dtype) for _ in range(3))
+        ours = timed(lambda q=q, k=k, v=v: flash_attention(q, k, v, causal=True), s.device)
+        backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION] if s.device == "cuda" else [
+            SDPBackend.MATH]
+        sdpa = []
+        for backend in backends:
+            with sdpa_kernel([backend]):
+                try:
+                    sdpa.append(timed(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                                      s.device))
+                except RuntimeError:  # a backend that does not take this shape on this GPU
+                    pass
+        best = min(sdpa)
+        flops = 4 * b * h * n * n * d * 0.5
+        rows.append(Row(f"flash attention, causal, N={n} D={d}", f"{flops / ours / 1e9:.4g} TFLOP/s",
+                        f"SDPA {flops / best / 1e9:.4g} TFLOP/s", f"{best / ours:.3g}x", ">= 1.0x (N >= 2k)",
+                        _verdict(best / ours, 1.0)))
+    return rows
+
+
+def copy_bandwidth_gbps(device: str) -> float:
+    """(read + write) bytes per second of a large device-to-device copy."""
+    src = torch.empty(2**30 if device == "cuda" else 2**24, dtype=torch.float16, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * src.element_size() / timed(lambda: dst.copy_(src), device) / 1e6
+
+
+def paged_decode_rows(s: Sizes) -> list[Row]:
+    from kernels import paged_decode_attention
+
+    ctx, batch, hq, hkv, d = s.decode
+    block = 16
+    per_seq = ctx // block
+    k_cache = torch.randn(batch * per_seq, block, hkv, d, device=s.device, dtype=s.dtype)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(batch * per_seq, device=s.device).view(batch, per_seq).to(torch.int32)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=s.device)
+    q = torch.randn(batch, hq, d, device=s.device, dtype=s.dtype)
+    ms = timed(lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens), s.device)
+    gbps = 2 * k_cache.numel() * k_cache.element_size() / ms / 1e6
+    copy = copy_bandwidth_gbps(s.device)
+    share = gbps / copy
+    return [Row(f"paged decode, context {ctx} x batch {batch}", f"{gbps:.4g} GB/s", f"copy {copy:.4g} GB/s",
+                f"{100 * share:.3g}%", ">= 70% of copy", _verdict(share, 0.70))]
+
+
+# ---- the text engine against transformers ---------------------------------------------------------------------------
+def _prompts(s: Sizes, vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(42)
+    lens = torch.randint(s.prompt_lens[0], s.prompt_lens[1] + 1, (s.concurrent,), generator=gen).tolist()
+    return [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in lens]
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def text_rows(s: Sizes) -> list[Row]:
+    from bench.lm import NullTokenizer, hf_checkpoint
+    from services.text.engine import EngineConfig, LLMEngine, SamplingParams
+    from services.text.loader import load_model
+
+    dtype_name = "bfloat16" if s.dtype == torch.bfloat16 else "float32"
+    with tempfile.TemporaryDirectory() as directory:
+        hf = hf_checkpoint(s.text, Path(directory)).to(device=s.device, dtype=s.dtype)
+        engine = LLMEngine(load_model(directory, dtype_name, device=s.device), NullTokenizer(),
+                           EngineConfig(max_running=max(64, s.concurrent), max_batched_tokens=4096))
+
+    def engine_run(prompts: list[list[int]]) -> float:
+        counts = [0]
+        start = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}-{start}", prompt, SamplingParams(max_tokens=s.new_tokens, temperature=0),
+                               lambda d: counts.__setitem__(0, counts[0] + len(d.token_ids)))
+        while engine.has_work():
+            engine.step()
+        _sync(s.device)
+        return counts[0] / (time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def hf_run(prompts: list[list[int]]) -> float:
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=s.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=s.device)
+        start = time.perf_counter()
+        hf.generate(ids, attention_mask=mask, max_new_tokens=s.new_tokens, min_new_tokens=s.new_tokens,
+                    do_sample=False, pad_token_id=0)
+        _sync(s.device)
+        return len(prompts) * s.new_tokens / (time.perf_counter() - start)
+
+    prompts = _prompts(s, s.text["vocab_size"])
+    rows = []
+    for label, batch in (("batch 1", prompts[:1]), (f"{s.concurrent} concurrent", prompts)):
+        engine_run(batch[:1]), hf_run(batch[:1])  # warm-up: kernels compiled, graphs captured
+        ours, theirs = engine_run(batch), hf_run(batch)
+        goal = ">= 2x" if batch is prompts else ""
+        rows.append(Row(f"text engine {dtype_name}, {label}, {s.new_tokens} new tokens", f"{ours:.0f} tok/s",
+                        f"HF {theirs:.0f} tok/s", f"{ours / theirs:.3g}x", goal,
+                        _verdict(ours / theirs, 2.0) if goal else ""))
+    return rows
+
+
+# ---- diffusion ------------------------------------------------------------------------------------------------------
+def diffusion_rows(s: Sizes) -> list[Row]:
+    from bench.diffusion import diffusers_twin, image_diffusers, image_ours, time_interleaved
+    from services.diffusion.model import load_diffusion
+    from services.diffusion.pipeline import DiffusionPipeline
+
+    pipe = DiffusionPipeline(load_diffusion(None), device=s.device)
+    twin = diffusers_twin(pipe.model).to(s.device)
+    ours, theirs = time_interleaved(image_ours(pipe, s.diffusion_steps, 3.0),
+                                    image_diffusers(twin, pipe, s.diffusion_steps, 3.0), repeats=3)
+    ratio = statistics.median(theirs) / statistics.median(ours)
+    return [Row(f"diffusion, {s.diffusion_steps} DDIM steps + guidance, demo U-Net",
+                f"{statistics.median(ours) * 1e3:.0f} ms/image", f"diffusers {statistics.median(theirs) * 1e3:.0f} ms",
+                f"{ratio:.3g}x")]
+
+
+def render(rows: list[Row], header: str) -> str:
+    lines = [header, "", "| check | genserve | reference | ratio | goal | met |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r.check} | {r.ours} | {r.reference} | {r.ratio} | {r.goal} | {r.met} |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry", action="store_true", help="tiny sizes on the CPU: checks the script, measures nothing")
+    parser.add_argument("--skip-tests", action="store_true", help="leave out the pytest -m gpu row")
+    args = parser.parse_args(argv)
+    if not args.dry and not torch.cuda.is_available():
+        print("gpu-check needs a CUDA GPU and none is visible (torch.cuda.is_available() is False); "
+              "`--dry` runs it on the CPU at tiny sizes.")
+        return 1
+    sizes = DRY if args.dry else GPU
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    rows = [] if args.skip_tests else gpu_tests()
+    for section in (attention_rows, paged_decode_rows, text_rows, diffusion_rows):
+        try:
+            rows += section(sizes)
+        except Exception as exc:  # one broken section must not hide the others' figures
+            rows.append(Row(section.__name__, f"FAILED: {type(exc).__name__}: {str(exc)[:160]}", met="NO"))
+        if sizes.device == "cuda":
+            torch.cuda.empty_cache()
+    if args.dry:  # tiny CPU figures meet or miss nothing; only a section that failed to run counts
+        rows = [r if r.ours.startswith("FAILED") else Row(r.check, r.ours, r.reference, r.ratio, r.goal, "dry")
+                for r in rows]
+    device = torch.cuda.get_device_name(0) if sizes.device == "cuda" else "CPU (dry run: the figures mean nothing)"
+    header = (f"gpu-check {datetime.date.today().isoformat()} on {device}, torch {torch.__version__}, "
+              f"{time.perf_counter() - started:.0f} s")
+    print(render(rows, header))
+    return 0 if all(r.met != "NO" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    if "--dry" in sys.argv[1:]:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated, so before importing them
+    sys.exit(main())
