@@ -34,7 +34,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 protos: $(STAMP)
-	$(PY) -m services.common.protogen
+	$(PY) protos/generate.py
 
 load: $(STAMP)
 	$(PY) -m tests.load.run

@@ -32,8 +32,10 @@ MAX_HEAD_DIM = 256
 # A running maximum that starts finite: a fully masked block then yields exp2(-inf - m) = 0, never NaN.
 M_INIT = tl.constexpr(-1.0e30)
 
-# Hopper (sm_90) candidates: 128-row query tiles keep the wgmma units busy; 3 stages of K/V tiles fit 228 KB smem.
-HOPPER_CONFIGS = [
+# Autotune candidates for every GPU, sized on Hopper (sm_90): 128-row query tiles keep the wgmma units busy and 3
+# stages of K/V tiles fit its 228 KB of shared memory; on a GPU with less, the autotuner drops those that do not fit
+# (a config that fails with OutOfResources is timed as infinitely slow).
+AUTOTUNE_CONFIGS = [
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=4, num_stages=4),
@@ -195,7 +197,7 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def hopper_configs(block_d: int, block_dv: int) -> list[triton.Config]:
+def autotune_configs(block_d: int, block_dv: int) -> list[triton.Config]:
     """The autotune candidates for padded head dims: those whose tiles neither spill nor overflow shared memory."""
     widest = max(block_d, block_dv)
 
@@ -204,14 +206,13 @@ def hopper_configs(block_d: int, block_dv: int) -> list[triton.Config]:
         shared = 2 * (m * block_d + c.num_stages * n * (block_d + block_dv))  # Q once, K/V per stage, 16-bit
         return m * widest // (32 * c.num_warps) <= _MAX_TILE_REGS_PER_THREAD and shared <= _SM90_SHARED_BYTES
 
-    return [c for c in HOPPER_CONFIGS if fits(c)]
+    return [c for c in AUTOTUNE_CONFIGS if fits(c)]
 
 
 @functools.cache
 def _tuned_kernel(block_d: int, block_dv: int) -> triton.runtime.Autotuner:
-    return triton.autotune(configs=hopper_configs(block_d, block_dv), key=["CAUSAL", "WINDOW", "VARLEN", "seq_bucket"])(
-        _flash_attention_fwd_kernel
-    )
+    return triton.autotune(configs=autotune_configs(block_d, block_dv),
+                           key=["CAUSAL", "WINDOW", "VARLEN", "seq_bucket"])(_flash_attention_fwd_kernel)
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: bool) -> None:

@@ -29,8 +29,9 @@ _SPLIT_GRANULE = 256
 # Below this many tokens per split the merge step costs more than the parallelism it buys.
 _MIN_TOKENS_PER_SPLIT = 512
 
-# Hopper (sm_90) candidates: a few 16 KB K/V tiles in flight per program hide HBM latency.
-HOPPER_CONFIGS = [
+# Autotune candidates for every GPU, sized on Hopper (sm_90): a few 16 KB K/V tiles in flight per program hide HBM
+# latency.
+AUTOTUNE_CONFIGS = [
     triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=3),
     triton.Config({"BLOCK_N": 128}, num_warps=4, num_stages=3),
     triton.Config({"BLOCK_N": 128}, num_warps=8, num_stages=2),
@@ -153,7 +154,7 @@ def _merge_splits_kernel(
 
 @functools.cache
 def _tuned_kernel() -> triton.runtime.Autotuner:
-    return triton.autotune(configs=HOPPER_CONFIGS, key=["BLOCK_D", "PAGE_SIZE", "GROUP_PAD", "SINGLE_SPLIT"])(
+    return triton.autotune(configs=AUTOTUNE_CONFIGS, key=["BLOCK_D", "PAGE_SIZE", "GROUP_PAD", "SINGLE_SPLIT"])(
         _paged_decode_kernel
     )
 

@@ -2,9 +2,10 @@
 
 A handler never builds a status by hand: it raises (or lets the model raise) and `to_status` decides.
 - pydantic `ValidationError` and `InvalidArgument` -> INVALID_ARGUMENT, details naming the field;
-- `Overloaded` (and the service's own capacity errors, passed in `known`) -> RESOURCE_EXHAUSTED;
+- a service's own errors, passed in `known` with their code (e.g. the text engine's EngineOverloaded ->
+  RESOURCE_EXHAUSTED, the diffusion pipeline's Cancelled -> CANCELLED);
 - `NotFound` -> NOT_FOUND; `Unimplemented` -> UNIMPLEMENTED; `TimeoutError` -> DEADLINE_EXCEEDED;
-- `asyncio.CancelledError` / `Cancelled` -> CANCELLED;
+- `asyncio.CancelledError` (the client went away) -> CANCELLED;
 - anything else -> INTERNAL with a short message and the request id: never a traceback or a file path.
 """
 
@@ -30,20 +31,12 @@ class InvalidArgument(ValueError):
         self.message = message
 
 
-class Overloaded(RuntimeError):
-    """The service cannot take this request now; the client should retry later."""
-
-
 class NotFound(LookupError):
     """The request names something this server does not have (e.g. an unknown health service name)."""
 
 
 class Unimplemented(LookupError):
     """The call reached an application that does not serve this RPC (wrong `application` metadata)."""
-
-
-class Cancelled(RuntimeError):
-    """The request was cancelled before it finished."""
 
 
 @dataclass(frozen=True)
@@ -84,15 +77,13 @@ def to_status(
         return Status(grpc.StatusCode.INVALID_ARGUMENT, _clip(_validation_details(exc)))
     if isinstance(exc, InvalidArgument):
         return Status(grpc.StatusCode.INVALID_ARGUMENT, _clip(str(exc)))
-    if isinstance(exc, Overloaded):
-        return Status(grpc.StatusCode.RESOURCE_EXHAUSTED, _clip(str(exc) or "overloaded, retry later"))
     if isinstance(exc, Unimplemented):
         return Status(grpc.StatusCode.UNIMPLEMENTED, _clip(str(exc)))
     if isinstance(exc, NotFound):
         return Status(grpc.StatusCode.NOT_FOUND, _clip(str(exc)))
     if isinstance(exc, TimeoutError):
         return Status(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
-    if isinstance(exc, asyncio.CancelledError | Cancelled):
+    if isinstance(exc, asyncio.CancelledError):
         return Status(grpc.StatusCode.CANCELLED, "cancelled")
     return Status(grpc.StatusCode.INTERNAL, f"internal error (request id {request_id})")
 

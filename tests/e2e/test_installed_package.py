@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -76,8 +77,15 @@ def _run(python_path: Path | None, cwd: Path, cache: Path | None = None) -> dict
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     wheels, target = tmp_path_factory.mktemp("wheels"), tmp_path_factory.mktemp("site")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
-                    str(wheels), str(ROOT)], check=True, capture_output=True, timeout=600)
+    # From a copy of the tracked files: setuptools builds in-tree, and a stale build/ would leak old files.
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    source = tmp_path_factory.mktemp("source")
+    for name in filter(None, tracked.decode().split("\0")):
+        if (ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(source)],
+                   check=True, capture_output=True, timeout=600)
     (wheel,) = wheels.glob("genserve-*.whl")
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
                    check=True, capture_output=True, timeout=600)

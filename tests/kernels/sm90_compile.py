@@ -83,28 +83,28 @@ def _flash_variants():
         return {"HEAD_DIM": d, "HEAD_DIM_V": dv, "BLOCK_D": fa.padded_head_dim(d), "BLOCK_DV": fa.padded_head_dim(dv)}
 
     # Every autotune candidate at D = 128 (the common large head); causal builds both key phases.
-    for i, config in enumerate(fa.hopper_configs(128, 128)):
+    for i, config in enumerate(fa.autotune_configs(128, 128)):
         meta = base | dims(128, 128) | {"CAUSAL": True, "WINDOW": False, "VARLEN": False} | config.kwargs
         yield f"flash_attention[cfg{i},D128,causal]", fa._flash_attention_fwd_kernel, pointers, meta, \
             config.num_warps, config.num_stages
     # A sliding window (Mistral) changes the key loop's bounds and masks every block.
-    config = fa.hopper_configs(128, 128)[0]
+    config = fa.autotune_configs(128, 128)[0]
     meta = base | dims(128, 128) | {"CAUSAL": True, "WINDOW": True, "VARLEN": False} | config.kwargs
     yield "flash_attention[D128,causal,window]", fa._flash_attention_fwd_kernel, pointers, meta, \
         config.num_warps, config.num_stages
-    config = fa.hopper_configs(64, 64)[0]
+    config = fa.autotune_configs(64, 64)[0]
     meta = base | dims(64, 64) | {"CAUSAL": False, "WINDOW": False, "VARLEN": True} | config.kwargs
     yield "flash_attention[D64,varlen]", fa._flash_attention_fwd_kernel, pointers, meta, \
         config.num_warps, config.num_stages
     # The JIT turns int arguments equal to 1 into constants: one query against a cache, one query head per KV head.
-    config = fa.hopper_configs(128, 128)[0]
+    config = fa.autotune_configs(128, 128)[0]
     meta = base | dims(128, 128) | {"CAUSAL": True, "WINDOW": False, "VARLEN": False, "seqlen_q": 1,
                                     "group_size": 1} | config.kwargs
     yield "flash_attention[D128,one-query]", fa._flash_attention_fwd_kernel, pointers, meta, \
         config.num_warps, config.num_stages
     # Padded head dims: DeepSeek MLA (192 for q/k, 128 for v) and the widest supported head.
     for d, dv in ((192, 128), (256, 256)):
-        config = fa.hopper_configs(fa.padded_head_dim(d), fa.padded_head_dim(dv))[0]
+        config = fa.autotune_configs(fa.padded_head_dim(d), fa.padded_head_dim(dv))[0]
         meta = base | dims(d, dv) | {"CAUSAL": True, "WINDOW": False, "VARLEN": False} | config.kwargs
         yield f"flash_attention[D{d},Dv{dv}]", fa._flash_attention_fwd_kernel, pointers, meta, \
             config.num_warps, config.num_stages
@@ -113,14 +113,14 @@ def _flash_variants():
 def _paged_variants():
     pointers = {"Q": "*bf16", "K_cache": "*bf16", "V_cache": "*bf16", "block_tables": "*i32", "context_lens": "*i32",
                 "O": "*bf16", "part_acc": "*fp32", "part_m": "*fp32", "part_l": "*fp32"}
-    for i, config in enumerate(pa.HOPPER_CONFIGS):
+    for i, config in enumerate(pa.AUTOTUNE_CONFIGS):
         # The split variant differs only in its epilogue: build it once, every candidate as single-split.
         for single in (True, False) if i == 0 else (True,):
             meta = {"HEAD_DIM": 128, "BLOCK_D": 128, "PAGE_SIZE": 16, "GROUP_PAD": 16, "SINGLE_SPLIT": single,
                     "UPCAST": False, "DOT_PRECISION": "tf32"} | config.kwargs
             yield f"paged_decode[cfg{i},single={single}]", pa._paged_decode_kernel, pointers, meta, \
                 config.num_warps, config.num_stages
-    config = pa.HOPPER_CONFIGS[0]
+    config = pa.AUTOTUNE_CONFIGS[0]
     meta = {"HEAD_DIM": 80, "BLOCK_D": 128, "PAGE_SIZE": 16, "GROUP_PAD": 16, "SINGLE_SPLIT": True, "UPCAST": False,
             "DOT_PRECISION": "tf32", "group_size": 1} | config.kwargs
     yield "paged_decode[cfg0,D80,mha]", pa._paged_decode_kernel, pointers, meta, config.num_warps, config.num_stages

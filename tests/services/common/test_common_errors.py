@@ -7,7 +7,7 @@ import asyncio
 import grpc
 from pydantic import BaseModel, Field
 
-from services.common.errors import MAX_DETAILS, InvalidArgument, NotFound, Overloaded, field_path, to_status
+from services.common.errors import MAX_DETAILS, InvalidArgument, NotFound, field_path, to_status
 
 
 class Inner(BaseModel):
@@ -48,7 +48,6 @@ def test_codes_for_each_kind_of_failure() -> None:
     assert to_status(InvalidArgument("images[0].png", "is not a readable image"), "r").details == (
         "images[0].png: is not a readable image"
     )
-    assert to_status(Overloaded("queue full"), "r").code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert to_status(TimeoutError(), "r").code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert to_status(asyncio.CancelledError(), "r").code == grpc.StatusCode.CANCELLED
     assert to_status(NotFound("service: unknown"), "r").code == grpc.StatusCode.NOT_FOUND

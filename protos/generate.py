@@ -1,7 +1,8 @@
-"""`make protos`: regenerate the committed gRPC stubs from protos/genserve/v1/*.proto with grpcio-tools.
+"""`make protos` (``python protos/generate.py``): regenerate the committed gRPC stubs from
+protos/genserve/v1/*.proto with grpcio-tools (a dev dependency: a build tool, never imported when serving).
 
 The stubs (`*_pb2.py`, `*_pb2_grpc.py`, `*_pb2.pyi`) are committed so that serving needs no code generation;
-tests/services/common/test_protos_fresh.py regenerates them into a temporary folder and fails when they differ.
+tests/protos/test_protos_fresh.py regenerates them into a temporary folder and fails when they differ.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-PROTO_ROOT = Path(__file__).resolve().parents[2] / "protos"
+PROTO_ROOT = Path(__file__).resolve().parent
 PROTO_DIR = PROTO_ROOT / "genserve" / "v1"
 
 

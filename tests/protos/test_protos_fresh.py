@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
-from services.common import protogen
+_spec = importlib.util.spec_from_file_location("protos_generate", Path(__file__).resolve().parents[2] / "protos" /
+                                               "generate.py")
+protogen = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(protogen)
 
 
 def test_committed_stubs_match_a_fresh_generation(tmp_path: Path) -> None:
