@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from shared.blocks.activations import ACTIVATION_NAMES, activation
 from shared.blocks.ffn import MLP, GeluFFN, SwiGLU, swiglu_hidden_dim
@@ -68,12 +67,14 @@ def test_swiglu_matches_transformers_llama_mlp() -> None:
     assert torch.allclose(ours(x), ref(x), atol=1e-6)
 
 
-def test_gelu_ffn() -> None:
-    ffn = GeluFFN(8)
-    x = torch.randn(2, 8)
-    expected = ffn.fc2(F.gelu(ffn.fc1(x)))
-    assert ffn.fc1.out_features == 32
-    assert torch.allclose(ffn(x), expected)
+def test_gelu_ffn_is_w2_gelu_w1x_plus_b1_plus_b2() -> None:
+    """Algorithm 2's FFN with d_ff = 4d, against the formula in float64 with GELU written out as z * Phi(z)."""
+    ffn = GeluFFN(8).double()
+    x = torch.randn(2, 8, dtype=torch.float64)
+    z = x @ ffn.fc1.weight.T + ffn.fc1.bias
+    expected = (z * 0.5 * (1 + torch.erf(z / math.sqrt(2)))) @ ffn.fc2.weight.T + ffn.fc2.bias
+    assert ffn.fc1.weight.shape == (32, 8)
+    torch.testing.assert_close(ffn(x), expected, rtol=1e-12, atol=1e-12)
 
 
 def test_activations_follow_definition_2() -> None:

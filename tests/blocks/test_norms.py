@@ -39,20 +39,20 @@ def test_rmsnorm_definition_and_fused_residual() -> None:
     assert [name for name, _ in n.named_parameters()] == ["weight"]
 
 
-def test_exercise_4_batch_norm_vs_layer_norm() -> None:
-    """The seed's 4x3 activations, gamma = 1, beta = 0, eps = 0."""
+def test_exercise_4_layer_and_batch_statistics_through_group_norm() -> None:
+    """The seed's 4x3 activations (gamma = 1, beta = 0, eps = 0) through genserve's GroupNorm: one group per sample
+    is LayerNorm (row statistics), one group per channel over a batch laid out as space is BatchNorm (column
+    statistics)."""
     x = torch.tensor([[1.0, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]])
-    # BN: each column is (c, c+3, c+6, c+9): mean c+4.5, population variance 11.25, z = (-3, -1, 1, 3) / sqrt(5)
-    bn = norm("batchnorm", 3, eps=1e-12, affine=False).train()  # torch refuses eps = 0 in training mode
-    expected_bn = torch.tensor([-3.0, -1.0, 1.0, 3.0])[:, None].expand(4, 3) / math.sqrt(5.0)
-    assert torch.allclose(bn(x), expected_bn, atol=1e-6)
     # LN: every row is (c, c+1, c+2): mean c+1, variance 2/3, so z = (-1, 0, 1) * sqrt(3/2)
-    ln = norm("layernorm", 3, eps=0.0, elementwise_affine=False)
+    ln = group_norm(3, groups=1, eps=0.0, affine=False)
     expected_ln = torch.tensor([-1.0, 0.0, 1.0]).expand(4, 3) * math.sqrt(1.5)
-    assert torch.allclose(ln(x), expected_ln, atol=1e-6)
-    # LN treats each sample alone: one sample gives the same answer, BN's would change with the batch
-    assert torch.allclose(ln(x[:1]), expected_ln[:1], atol=1e-6)
-    assert not torch.allclose(bn(x[:2]), expected_bn[:2], atol=1e-3)
+    torch.testing.assert_close(ln(x[:, :, None, None])[:, :, 0, 0], expected_ln, atol=1e-6, rtol=0)
+    # BN: each column is (c, c+3, c+6, c+9): mean c+4.5, population variance 11.25, z = (-3, -1, 1, 3) / sqrt(5)
+    bn = group_norm(3, groups=3, eps=0.0, affine=False)
+    columns = x.T.contiguous()[None, :, :, None]  # (1, C=3, H=4 samples, 1)
+    expected_bn = torch.tensor([-3.0, -1.0, 1.0, 3.0])[:, None].expand(4, 3) / math.sqrt(5.0)
+    torch.testing.assert_close(bn(columns)[0, :, :, 0].T, expected_bn, atol=1e-6, rtol=0)
 
 
 def test_group_norm_normalises_groups_of_channels() -> None:
