@@ -274,11 +274,11 @@ def test_context_cache_projects_keys_and_values_once_per_layer() -> None:
 
 def test_exercise_11_scores_are_divided_by_sqrt_d_k() -> None:
     """softmax(Q K^T / sqrt(d_k)) V: with V the identity, the output IS the attention matrix, checked against the
-    formula in float64; with N(0, 1) entries the scaled scores keep variance ~1, so no row saturates to one-hot."""
+    formula; with N(0, 1) entries the scaled scores keep variance ~1, while unscaled rows (variance d_k) go one-hot."""
     d_k, n = 64, 16
     q, k = torch.randn(1, 1, n, d_k, dtype=torch.float64), torch.randn(1, 1, n, d_k, dtype=torch.float64)
     weights = scaled_dot_product_attention(q, k, torch.eye(n, dtype=torch.float64)[None, None])
     expected = torch.softmax(q[0, 0] @ k[0, 0].T / math.sqrt(d_k), dim=-1)
     torch.testing.assert_close(weights[0, 0], expected, rtol=1e-5, atol=1e-6)  # the softmax runs in float32
     unscaled = torch.softmax(q[0, 0] @ k[0, 0].T, dim=-1)
-    assert weights.max() < 0.9 < unscaled.max(dim=-1).values.min()
+    assert weights[0, 0].max(dim=-1).values.mean() < 0.5 < unscaled.max(dim=-1).values.mean()
