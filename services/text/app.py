@@ -29,9 +29,12 @@ from services.common.rpc import streaming, unary, unknown_rpcs
 from services.common.validation import Request, parse, resolve_seed
 from services.text.engine import AsyncLLMEngine, Delta, EngineOverloaded, PromptTooLong, SamplingParams
 from services.text.settings import TextArgs
+from services.text.tokenizer import NoChatTemplate
 
 SERVICE = "genserve.v1.TextGeneration"
-MAX_PROMPT_CHARS = 16_384
+# Prompts are capped in tokens by the model's context (the engine's PromptTooLong); before tokenizing, their UTF-8
+# size is capped at this many bytes per context token, against abuse (English runs at about 4 bytes per token).
+PROMPT_BYTES_PER_TOKEN = 16
 MAX_MESSAGES = 64
 MAX_TOKENS = 1024
 MAX_STOPS = 4
@@ -44,7 +47,7 @@ DEFAULT_TEMPERATURE = 1.0
 
 class ChatMessageIn(Request):
     role: Literal["system", "user", "assistant"]
-    content: str = Field(max_length=MAX_PROMPT_CHARS)
+    content: str
 
 
 def _prompt_or_messages(prompt: str, info: ValidationInfo, what: str) -> str:
@@ -60,7 +63,7 @@ class TextIn(Request):
     """A TextRequest after validation; defaults are the documented ones (docs/protocol.md)."""
 
     messages: list[ChatMessageIn] = Field(default_factory=list, max_length=MAX_MESSAGES)
-    prompt: str = Field("", max_length=MAX_PROMPT_CHARS, validate_default=True)
+    prompt: str = Field("", validate_default=True)
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     temperature: float = Field(DEFAULT_TEMPERATURE, ge=0, le=2, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
@@ -98,7 +101,7 @@ class TextIn(Request):
 
 class TokenizeIn(Request):
     messages: list[ChatMessageIn] = Field(default_factory=list, max_length=MAX_MESSAGES)
-    text: str = Field("", max_length=MAX_PROMPT_CHARS, validate_default=True)
+    text: str = Field("", validate_default=True)
 
     @field_validator("text")
     @classmethod
@@ -122,6 +125,7 @@ class TextGeneration:
     known_errors = {
         PromptTooLong: (grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
         EngineOverloaded: (grpc.StatusCode.RESOURCE_EXHAUSTED, None),
+        NoChatTemplate: (grpc.StatusCode.FAILED_PRECONDITION, "messages"),
     }
 
     def __init__(self, model_dir: str | None, settings: TextArgs | None = None):
@@ -129,8 +133,14 @@ class TextGeneration:
         self.metrics = ServiceMetrics("text")
         self.engine = AsyncLLMEngine.from_dir(model_dir, dtype=settings.dtype, config=settings.engine_config())
         self.metrics.cpu_kernels(self.engine.engine.runner.cpu_kernels)
+        self.max_prompt_bytes = PROMPT_BYTES_PER_TOKEN * self.engine.max_context
 
-    def _prompt_ids(self, prompt: str, messages: list[ChatMessageIn]) -> list[int]:
+    def _prompt_ids(self, prompt: str, messages: list[ChatMessageIn], field: str = "prompt") -> list[int]:
+        size = len(prompt.encode()) + sum(len(m.content.encode()) for m in messages)
+        if size > self.max_prompt_bytes:
+            raise InvalidArgument("messages" if messages else field,
+                                  f"{size} bytes is more than this model's {self.engine.max_context}-token context "
+                                  f"can hold (at most {self.max_prompt_bytes} bytes)")
         tokenizer = self.engine.tokenizer
         if not messages:
             return tokenizer.encode(prompt)
@@ -188,7 +198,7 @@ class TextGeneration:
     @unary(text_pb2.TokenizeRequest, text_pb2.TokenizeResponse)
     async def Tokenize(self, request: text_pb2.TokenizeRequest) -> text_pb2.TokenizeResponse:
         req = parse(TokenizeIn, request)
-        ids = self._prompt_ids(req.text, req.messages)
+        ids = self._prompt_ids(req.text, req.messages, "text")
         decode = self.engine.tokenizer.decode
         return text_pb2.TokenizeResponse(token_ids=ids, tokens=[decode([i], skip_special_tokens=False) for i in ids])
 

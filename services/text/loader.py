@@ -1,5 +1,6 @@
-"""Load a Hugging Face text checkpoint directory: ``config.json``, single or sharded ``*.safetensors`` (with
-``model.safetensors.index.json``), in the checkpoint dtype or a requested one. Pickled weights are refused.
+"""Load a text checkpoint: a Hugging Face directory (``config.json``, single or sharded ``*.safetensors`` with
+``model.safetensors.index.json``) or a GGUF file (services/text/gguf.py), in the checkpoint dtype or a requested one.
+Pickled weights are refused.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from services.text.config import LlamaConfig, from_hf, to_hf
+from services.text.gguf import GGUFCheckpoint, find_gguf
 from services.text.model import LlamaForCausalLM
 from services.text.quantize import quantize_int8_
 from shared.blocks.backend import Backend
@@ -59,24 +61,28 @@ def load_state_dict(directory: str | Path, dtype: torch.dtype | None = None) -> 
     return state
 
 
-def load_model(directory: str | Path, dtype: str | None = "float32", backend: Backend | None = None,
+def load_model(directory: str | Path | GGUFCheckpoint, dtype: str | None = "float32", backend: Backend | None = None,
                device: str | torch.device = "cpu") -> LlamaForCausalLM:
-    """Build the model described by ``directory/config.json`` and load its weights strictly.
+    """Build the model described by ``directory/config.json`` (or a GGUF file, a directory holding one, or an opened
+    ``GGUFCheckpoint``) and load its weights strictly.
 
-    ``dtype``: "float32" | "bfloat16" | "float16", or None for the checkpoint's own dtype; "int8" loads float32
-    and quantises every linear layer to int8 weights (``services.text.quantize``).
+    ``dtype``: "float32" | "bfloat16" | "float16", or None for the checkpoint's own dtype (float32 for GGUF);
+    "int8" loads float32 and quantises every linear layer to int8 weights (``services.text.quantize``).
     """
     if dtype == "int8":
         model = quantize_int8_(load_model(directory, "float32", backend, device="cpu"))
         model.config = model.config.replace(dtype="int8")
         return model.to(device)
-    weight_files(directory)  # refuse pickle-only or empty directories before anything else
-    cfg = read_config(directory)
+    checkpoint = directory if isinstance(directory, GGUFCheckpoint) else open_gguf(directory)
+    if checkpoint is None:
+        weight_files(directory)  # refuse pickle-only or empty directories before anything else
+    cfg = checkpoint.config() if checkpoint is not None else read_config(directory)
     dtype_name = dtype or cfg.dtype
     if dtype_name not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)} or int8, got {dtype_name!r}")
     cfg = cfg.replace(dtype=dtype_name)
-    state = load_state_dict(directory, DTYPES[dtype_name])
+    state = checkpoint.state_dict(cfg, DTYPES[dtype_name]) if checkpoint is not None else \
+        load_state_dict(directory, DTYPES[dtype_name])
     # HF saves rotary tables in some versions; they are derived, never weights.
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     model = LlamaForCausalLM(cfg, backend).to(DTYPES[dtype_name])
@@ -90,6 +96,12 @@ def load_model(directory: str | Path, dtype: str | None = "float32", backend: Ba
     if cfg.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.to(device).eval()
+
+
+def open_gguf(path: str | Path) -> GGUFCheckpoint | None:
+    """The GGUF checkpoint that `path` names (a file, or a directory holding one); None for a HF directory."""
+    gguf_path = find_gguf(path)
+    return GGUFCheckpoint.open(gguf_path) if gguf_path is not None else None
 
 
 def save_model(directory: str | Path, model: LlamaForCausalLM, dtype: torch.dtype | None = None) -> Path:

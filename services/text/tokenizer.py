@@ -1,5 +1,9 @@
-"""The tokenizer of a model directory: ``tokenizer.json`` through the ``tokenizers`` library, plus the
-``tokenizer_config.json`` special tokens and jinja2 ``chat_template``.
+"""The tokenizer of a model: ``tokenizer.json`` through the ``tokenizers`` library with the ``tokenizer_config.json``
+special tokens, or a GGUF file's own (services/text/gguf_tokenizer.py); and the checkpoint's jinja2 chat template.
+
+The chat template is read from ``chat_template.jinja``, ``tokenizer_config.json`` or the GGUF metadata, in that order
+(transformers >= 4.43 saves it in the first). A model without one has no chat: ``apply_chat_template`` raises
+``NoChatTemplate`` rather than guess a format.
 """
 
 from __future__ import annotations
@@ -12,11 +16,14 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-# Used when a checkpoint ships no chat template: one "role: content" line per message, then the assistant cue.
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
+from services.text.gguf import GGUFCheckpoint, find_gguf
+from services.text.gguf_tokenizer import gguf_tokenizer
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+
+class NoChatTemplate(RuntimeError):
+    """The model ships no chat template, so `messages` cannot be formatted (FAILED_PRECONDITION)."""
 
 
 def _token_text(value: object) -> str | None:
@@ -29,7 +36,8 @@ def _token_text(value: object) -> str | None:
 class TextTokenizer:
     """Encode/decode and chat formatting for one checkpoint (``tokenizer.json`` + ``tokenizer_config.json``)."""
 
-    def __init__(self, tokenizer: Tokenizer, config: dict | None = None, eos_token_ids: tuple[int, ...] = ()):
+    def __init__(self, tokenizer: Tokenizer, config: dict | None = None, eos_token_ids: tuple[int, ...] = (),
+                 chat_template: str | list | None = None):
         self._tok = tokenizer
         self.config = dict(config or {})
         self.bos_token = _token_text(self.config.get("bos_token"))
@@ -38,25 +46,33 @@ class TextTokenizer:
         if self.eos_token is not None and (eid := tokenizer.token_to_id(self.eos_token)) is not None:
             ids.insert(0, eid)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(ids))
-        self.chat_template = self.config.get("chat_template") or DEFAULT_CHAT_TEMPLATE
-        if isinstance(self.chat_template, list):  # named templates: [{"name": "default", "template": ...}]
-            named = {t["name"]: t["template"] for t in self.chat_template}
-            self.chat_template = named.get("default", next(iter(named.values())))
-        # The same environment settings transformers renders chat templates with, so templates behave alike.
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        env.globals["raise_exception"] = _raise_template_error
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        self._template = env.from_string(self.chat_template)
+        chat_template = chat_template if chat_template is not None else self.config.get("chat_template")
+        if isinstance(chat_template, list):  # named templates: [{"name": "default", "template": ...}]
+            named = {t["name"]: t["template"] for t in chat_template}
+            chat_template = named.get("default", next(iter(named.values())))
+        self.chat_template: str | None = chat_template or None
+        self._template = _environment().from_string(chat_template) if chat_template else None
 
     @classmethod
     def from_dir(cls, directory: str | Path, eos_token_ids: tuple[int, ...] = ()) -> TextTokenizer:
+        """A Hugging Face directory's tokenizer, or a GGUF file's (the file, or a directory holding one)."""
         root = Path(directory)
+        gguf_path = find_gguf(root)
+        if gguf_path is not None:
+            return cls.from_gguf(GGUFCheckpoint.open(gguf_path), eos_token_ids)
         path = root / "tokenizer.json"
         if not path.exists():
             raise FileNotFoundError(f"{path} not found: a text model directory needs a tokenizer.json")
         cfg_path = root / "tokenizer_config.json"
         config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-        return cls(Tokenizer.from_file(str(path)), config, eos_token_ids)
+        return cls(Tokenizer.from_file(str(path)), config, eos_token_ids, find_chat_template(root, config))
+
+    @classmethod
+    def from_gguf(cls, checkpoint: GGUFCheckpoint, eos_token_ids: tuple[int, ...] = ()) -> TextTokenizer:
+        tokenizer, config = gguf_tokenizer(checkpoint.metadata)
+        root = checkpoint.path.parent
+        template = find_chat_template(root, read_json(root / "tokenizer_config.json"), checkpoint.metadata)
+        return cls(tokenizer, config, eos_token_ids, template)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -74,6 +90,9 @@ class TextTokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` (``[{"role": ..., "content": ...}]``) with the checkpoint's jinja2 chat template."""
+        if self._template is None:
+            raise NoChatTemplate("this model has no chat template (chat_template.jinja, tokenizer_config.json or "
+                                 "GGUF metadata); send a plain prompt instead of messages")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
@@ -83,6 +102,26 @@ class TextTokenizer:
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def find_chat_template(root: Path, tokenizer_config: dict, gguf_metadata: dict | None = None) -> str | list | None:
+    """The checkpoint's chat template: chat_template.jinja, then tokenizer_config.json, then the GGUF metadata."""
+    path = root / CHAT_TEMPLATE_FILE
+    if path.is_file():
+        return path.read_text()
+    return tokenizer_config.get("chat_template") or (gguf_metadata or {}).get("tokenizer.chat_template") or None
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    """The same environment settings transformers renders chat templates with, so templates behave alike."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
 
 
 def _raise_template_error(message: str) -> None:

@@ -111,7 +111,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "architecture", "n_params", "vocab_size", "max_context", "dtype", "kv_blocks_total", "kv_blocks_free", "runner", "device", "kv_cache_bytes", "block_size", "max_batched_tokens", "max_running", "max_lookahead")
+    __slots__ = ("model_name", "architecture", "n_params", "vocab_size", "max_context", "dtype", "kv_blocks_total", "kv_blocks_free", "runner", "device", "kv_cache_bytes", "block_size", "max_batched_tokens", "max_running", "max_lookahead", "model_path", "quantization")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     N_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,8 @@ class ModelInfo(_message.Message):
     MAX_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
     MAX_LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     n_params: int
@@ -142,4 +144,6 @@ class ModelInfo(_message.Message):
     max_batched_tokens: int
     max_running: int
     max_lookahead: int
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., n_params: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., runner: _Optional[str] = ..., device: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., max_running: _Optional[int] = ..., max_lookahead: _Optional[int] = ...) -> None: ...
+    model_path: str
+    quantization: str
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., n_params: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., runner: _Optional[str] = ..., device: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., max_running: _Optional[int] = ..., max_lookahead: _Optional[int] = ..., model_path: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...

@@ -18,8 +18,10 @@ DEMO_DIR = Path(__file__).resolve().parent.parent / "weights"
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, source: str = "", quantization: str = ""):
         self.engine = engine
+        self.source = source  # the file or directory the weights came from
+        self.quantization = quantization  # the checkpoint's own weight type, e.g. "Q4_1" for a GGUF file
         self.tokenizer = engine.tokenizer
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -29,18 +31,24 @@ class AsyncLLMEngine:
     @classmethod
     def from_dir(cls, path: str | Path | None = None, *, dtype: str = "auto", config: EngineConfig | None = None,
                  device: str | None = None) -> AsyncLLMEngine:
-        """Load a checkpoint directory (``None`` -> the committed demo model) into a ready engine on ``device``
-        (default: CUDA when available, else CPU). ``dtype`` "auto" is bfloat16 on CUDA and float32 on the CPU."""
-        from services.text.loader import load_model
+        """Load a checkpoint directory or GGUF file (``None`` -> the committed demo model) into a ready engine on
+        ``device`` (default: CUDA when available, else CPU). ``dtype`` "auto" is bfloat16 on CUDA and float32 on the
+        CPU."""
+        from services.text.loader import load_model, open_gguf
         from services.text.tokenizer import TextTokenizer
 
-        root = Path(path) if path is not None else DEMO_DIR
+        root = (Path(path) if path is not None else DEMO_DIR).resolve()
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if dtype == "auto":
             dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
-        model = load_model(root, dtype, device=device)
-        tokenizer = TextTokenizer.from_dir(root, model.config.eos_token_ids)
-        return cls(LLMEngine(model, tokenizer, config, model_name=root.resolve().name))
+        gguf = open_gguf(root)  # opened once: parsing a GGUF's metadata takes seconds for a 49k vocabulary
+        if gguf is None:
+            model = load_model(root, dtype, device=device)
+            tokenizer = TextTokenizer.from_dir(root, model.config.eos_token_ids)
+            return cls(LLMEngine(model, tokenizer, config, model_name=root.name), str(root))
+        model = load_model(gguf, dtype, device=device)
+        tokenizer = TextTokenizer.from_gguf(gguf, model.config.eos_token_ids)
+        return cls(LLMEngine(model, tokenizer, config, model_name=gguf.path.stem), str(gguf.path), gguf.file_type)
 
     @property
     def max_context(self) -> int:
@@ -61,6 +69,8 @@ class AsyncLLMEngine:
             "max_context": self.max_context,
             "dtype": cfg.dtype,
             "kv_blocks_free": self.kv_blocks_free,
+            "model_path": self.source,
+            "quantization": self.quantization,
             **self.engine.settings(),
         }
 

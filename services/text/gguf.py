@@ -1,0 +1,181 @@
+"""GGUF checkpoints (llama.cpp's format), read with the `gguf` package (llama.cpp's own reader).
+
+A `.gguf` file, or a directory holding one, gives the model config (from the `<arch>.*` metadata), the weights under
+Hugging Face names, and the tokenizer and chat template (services/text/gguf_tokenizer.py). Architectures: `llama`
+(Llama and Mistral, which llama.cpp converts as `llama`) and `qwen2`. `tensor_weight` is the one place that decides
+what each tensor becomes; today every supported type is dequantized to the served dtype.
+
+llama.cpp's converter permutes the rows of `attn_q`/`attn_k` for the `llama` architecture (its rotary pairs are
+interleaved, HF's are the two halves of each head); `unpermute_rows` undoes that. `qwen2` files are not permuted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+
+from services.text.config import LlamaConfig
+
+SUFFIX = ".gguf"
+# GGUF `general.architecture` -> (our architecture name, q/k rows permuted by llama.cpp, q/k/v biases)
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", True, False),
+    "mistral": ("MistralForCausalLM", True, False),
+    "qwen2": ("Qwen2ForCausalLM", False, True),
+}
+Q = GGMLQuantizationType
+SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def find_gguf(path: str | Path) -> Path | None:
+    """The GGUF file that `path` names: the file itself, or the one `.gguf` in a directory without `config.json`;
+    None for a Hugging Face directory. Several `.gguf` files in one directory are refused (which one?)."""
+    path = Path(path)
+    if path.is_file():
+        if path.suffix != SUFFIX:
+            raise ValueError(f"{path} is not a {SUFFIX} file; give a .gguf file or a model directory")
+        return path
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} not found: give a .gguf file or a model directory")
+    if (path / "config.json").exists():
+        return None
+    files = sorted(path.glob(f"*{SUFFIX}"))
+    if len(files) > 1:
+        raise ValueError(f"{path} holds several GGUF files ({', '.join(f.name for f in files)}); name one")
+    return files[0] if files else None
+
+
+def tensor_weight(tensor: ReaderTensor, dtype: torch.dtype) -> torch.Tensor:
+    """What one GGUF tensor becomes in the model: its values in `dtype`, in torch's (out, in) layout.
+
+    The single per-tensor decision of the loader; every supported type is dequantized (gguf.quants) today.
+    """
+    if tensor.tensor_type not in SUPPORTED_TYPES:
+        supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
+        raise ValueError(f"tensor {tensor.name}: GGUF type {tensor.tensor_type.name} is not supported "
+                         f"(supported: {supported})")
+    values = dequantize(tensor.data, tensor.tensor_type)  # float32, numpy order: (ne[n-1], ..., ne[0])
+    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+    return torch.from_numpy(np.array(values, dtype=np.float32, copy=True)).reshape(shape).to(dtype)
+
+
+def unpermute_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo convert_hf_to_gguf's `permute`: within each head, rows go from llama.cpp's interleaved rotary pairs
+    (i, half) back to HF's halves (half, i). Works on a weight (rows, in) or a bias (rows,)."""
+    rows = weight.shape[0]
+    pairs = rows // n_heads // 2
+    return weight.reshape(n_heads, pairs, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def hf_name(name: str) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; an unknown tensor is refused by name."""
+    if name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
+    raise ValueError(f"GGUF tensor {name!r} is not part of a Llama/Mistral/Qwen2 decoder")
+
+
+@dataclass
+class GGUFCheckpoint:
+    """One opened GGUF file: its metadata (key -> value) and tensors, read lazily from a memory map."""
+
+    path: Path
+    reader: GGUFReader
+    metadata: dict[str, Any]
+
+    @classmethod
+    def open(cls, path: str | Path) -> GGUFCheckpoint:
+        reader = GGUFReader(str(path))
+        metadata = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+        return cls(Path(path), reader, metadata)
+
+    @property
+    def architecture(self) -> str:
+        arch = self.metadata.get("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+        return arch
+
+    @property
+    def file_type(self) -> str:
+        """The most common tensor type, e.g. "Q4_1" (GGUF's own `general.file_type` is an enum of mixes)."""
+        types = [t.tensor_type.name for t in self.reader.tensors if len(t.shape) == 2]
+        return max(set(types), key=types.count) if types else "F32"
+
+    def _arch_value(self, key: str, default: Any = None) -> Any:
+        value = self.metadata.get(f"{self.architecture}.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata {self.architecture}.{key} is missing")
+        return value
+
+    def config(self) -> LlamaConfig:
+        arch = self.architecture
+        name, _, qkv_bias = ARCHITECTURES[arch]
+        scaling = self.metadata.get(f"{arch}.rope.scaling.type", "none")
+        if scaling not in ("none", "linear"):
+            raise ValueError(f"GGUF rope scaling {scaling!r} is not supported (supported: none, linear)")
+        rope_scaling = {"rope_type": "linear", "factor": float(self._arch_value("rope.scaling.factor"))} \
+            if scaling == "linear" else {}
+        n_heads = int(self._arch_value("attention.head_count"))
+        dim = int(self._arch_value("embedding_length"))
+        embed = next((t for t in self.reader.tensors if t.name == "token_embd.weight"), None)
+        if embed is None:
+            raise ValueError(f"{self.path.name} has no token_embd.weight tensor")
+        eos = self.metadata.get("tokenizer.ggml.eos_token_id")
+        return LlamaConfig(
+            vocab_size=int(embed.shape[1]), dim=dim, n_layers=int(self._arch_value("block_count")),
+            n_heads=n_heads, n_kv_heads=int(self._arch_value("attention.head_count_kv", n_heads)),
+            head_dim=int(self._arch_value("attention.key_length", dim // n_heads)),
+            ffn_hidden=int(self._arch_value("feed_forward_length")),
+            rope_theta=float(self._arch_value("rope.freq_base", 10000.0)),
+            rope_scaling=tuple(sorted(rope_scaling.items())),
+            max_position=int(self._arch_value("context_length")),
+            sliding_window=int(self._arch_value("attention.sliding_window", 0)),
+            norm_eps=float(self._arch_value("attention.layer_norm_rms_epsilon")),
+            qkv_bias=qkv_bias,
+            tie_embeddings=not any(t.name == "output.weight" for t in self.reader.tensors),
+            bos_token_id=self.metadata.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=() if eos is None else (int(eos),),
+            architecture=name,
+        )
+
+    def state_dict(self, config: LlamaConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Every tensor under its HF name, in `dtype`, with llama.cpp's q/k row permutation undone."""
+        permuted = ARCHITECTURES[self.architecture][1]
+        heads = {"attn_q": config.n_heads, "attn_k": config.n_kv_heads}
+        state = {}
+        for tensor in self.reader.tensors:
+            name = hf_name(tensor.name)
+            weight = tensor_weight(tensor, dtype)
+            kind = tensor.name.split(".")[-2]
+            if permuted and kind in heads:
+                weight = unpermute_rows(weight, heads[kind])
+            state[name] = weight
+        return state
