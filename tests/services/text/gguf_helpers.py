@@ -1,0 +1,100 @@
+"""Tiny GGUF files written with gguf.GGUFWriter the way llama.cpp's convert_hf_to_gguf.py writes them: Llama and
+Mistral as the `llama` architecture with q/k rows permuted, Qwen2 as `qwen2` unpermuted; 1-D tensors in F32, the
+matrices in the asked type; a byte-level BPE tokenizer (vocabulary, merges, control tokens) and a chat template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+from gguf.quants import quantize
+from tokenizers import Tokenizer
+
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+HF_TO_GGUF = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+LAYER = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def gguf_name(name: str) -> str:
+    if name in HF_TO_GGUF:
+        return HF_TO_GGUF[name]
+    _, _, layer, rest = name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{LAYER[module]}.{kind}"
+
+
+def permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """convert_hf_to_gguf's LlamaModel.permute: HF's rotary halves -> llama.cpp's interleaved pairs."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def add_tokenizer(writer: GGUFWriter, tokenizer: Tokenizer, pre: str = "gpt-2", eos: str | None = None) -> None:
+    """A byte-level BPE tokenizer as llama.cpp stores it: tokens by id, merges, added tokens as CONTROL."""
+    spec = json.loads(tokenizer.to_str())
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    special = {a["content"] for a in spec["added_tokens"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([TokenType.CONTROL if t in special else TokenType.NORMAL for t in tokens])
+    if merges:
+        writer.add_token_merges(merges)
+    if eos is not None:
+        writer.add_eos_token_id(vocab[eos])
+    writer.add_add_bos_token(False)
+
+
+def write_gguf(path: Path, hf: torch.nn.Module, qtype: str = "F32", tokenizer: Tokenizer | None = None,
+               chat_template: str | None = None, eos: str | None = None, pre: str = "gpt-2") -> Path:
+    cfg = hf.config
+    arch = GGUF_ARCH[cfg.model_type]
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_vocab_size(cfg.vocab_size)
+    if tokenizer is not None:
+        add_tokenizer(writer, tokenizer, pre, eos)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
+    state = hf.state_dict()
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    for name, tensor in state.items():
+        target = gguf_name(name)
+        data = tensor.detach().float().numpy()
+        kind = target.split(".")[-2]
+        if arch == "llama" and kind in heads:
+            data = permute(data, heads[kind])
+        if data.ndim == 2 and qtype != "F32":
+            raw = GGMLQuantizationType[qtype]
+            writer.add_tensor(target, quantize(data, raw), raw_dtype=raw)
+        else:
+            writer.add_tensor(target, np.ascontiguousarray(data, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

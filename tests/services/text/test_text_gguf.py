@@ -1,0 +1,201 @@
+"""GGUF checkpoints against transformers' own GGUF loading: tiny files written with gguf.GGUFWriter from random HF
+Llama, Mistral and Qwen2 models in F32, Q8_0 and Q4_1; the tokenizer from the metadata; refusals by name."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize
+from gguf_helpers import CHATML, write_gguf
+from text_helpers import VOCAB, byte_tokenizer, hf_model
+from tokenizers import Tokenizer
+
+from services.text.engine import EngineConfig, LLMEngine, SamplingParams
+from services.text.gguf import GGUFCheckpoint, tensor_weight, unpermute_rows
+from services.text.loader import load_model
+from services.text.tokenizer import TextTokenizer
+
+transformers = pytest.importorskip("transformers")
+
+LOGITS_ATOL = 1e-4
+NEW_TOKENS = 24
+ARCHS = {"llama": {}, "mistral": {}, "qwen2": {"tie_word_embeddings": True}}
+DEMO_TOKENIZER = "services/text/weights/tokenizer.json"
+
+
+@pytest.fixture(scope="module", params=[(a, q) for a in ARCHS for q in ("F32", "Q8_0", "Q4_1")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def gguf_file(request, tmp_path_factory):
+    arch, qtype = request.param
+    hf = hf_model(arch, **ARCHS[arch])
+    path = write_gguf(tmp_path_factory.mktemp("gguf") / f"{arch}-{qtype}.gguf", hf, qtype, byte_tokenizer()._tok)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                  dtype=torch.float32).eval()
+    return arch, qtype, hf, path, reference
+
+
+def test_logits_match_transformers_loading_the_same_file(gguf_file):
+    arch, qtype, hf, path, reference = gguf_file
+    model = load_model(path)
+    assert model.config.architecture == ("Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM")
+    assert model.config.tie_embeddings == (arch == "qwen2")
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got = model(ids)
+        assert (got - reference(ids).logits).abs().max().item() <= LOGITS_ATOL
+        drift = (got - hf(ids).logits).abs().max().item()
+    # F32 is the HF model itself (the permutation round-trips); quantized files are near it, not equal.
+    assert drift <= LOGITS_ATOL if qtype == "F32" else 1e-3 < drift < 2.0
+
+
+def test_greedy_tokens_match_transformers(gguf_file):
+    _, _, _, path, reference = gguf_file
+    prompt = torch.randint(0, VOCAB, (19,), generator=torch.Generator().manual_seed(4)).tolist()
+    expected = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                  min_new_tokens=NEW_TOKENS)[0, len(prompt):].tolist()
+    engine = LLMEngine(load_model(path), byte_tokenizer(), EngineConfig(num_blocks=16))
+    _, tokens, reason = engine.generate_batch([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0))[0]
+    assert (tokens, reason) == (expected, "length")
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    from gguf_helpers import permute
+
+    w = torch.arange(8 * 16 * 3, dtype=torch.float32).reshape(8 * 16, 3)
+    assert torch.equal(unpermute_rows(torch.from_numpy(permute(w.numpy(), 8)), 8), w)
+    assert not torch.equal(torch.from_numpy(permute(w.numpy(), 8)), w)
+
+
+def _kquant_tensor(tmp_path, qtype: GGMLQuantizationType) -> GGUFCheckpoint:
+    """A 2x512 tensor of random K-quant blocks whose f16 scales are set to small finite values."""
+    block_bytes = {GGMLQuantizationType.Q4_K: 144, GGMLQuantizationType.Q5_K: 176, GGMLQuantizationType.Q6_K: 210}
+    scale_at = {GGMLQuantizationType.Q4_K: (0, 4), GGMLQuantizationType.Q5_K: (0, 4),
+                GGMLQuantizationType.Q6_K: (208, 210)}[qtype]
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (4, block_bytes[qtype]), dtype=np.uint8)
+    blocks[:, scale_at[0]:scale_at[1]] = np.full(((scale_at[1] - scale_at[0]) // 2,), 0.01, np.float16).view(np.uint8)
+    writer = GGUFWriter(str(tmp_path / f"{qtype.name}.gguf"), "llama")
+    writer.add_tensor("blk.0.ffn_up.weight", blocks.reshape(2, -1), raw_dtype=qtype)
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file,
+                 writer.close):
+        step()
+    return GGUFCheckpoint.open(tmp_path / f"{qtype.name}.gguf")
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quants_dequantize_to_the_tensor_shape(tmp_path, qtype):
+    checkpoint = _kquant_tensor(tmp_path, GGMLQuantizationType[qtype])
+    tensor = checkpoint.reader.tensors[0]
+    weight = tensor_weight(tensor, torch.bfloat16)
+    assert weight.shape == (2, 512) and weight.dtype == torch.bfloat16
+    expected = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).reshape(2, 512))
+    assert torch.equal(weight, expected.to(torch.bfloat16))
+    assert 0 < weight.float().abs().max() < 100
+
+
+def test_unsupported_tensor_type_is_refused_by_name(tmp_path):
+    hf = hf_model("llama")
+    path = write_gguf(tmp_path / "q5.gguf", hf, "Q5_0", byte_tokenizer()._tok)
+    with pytest.raises(ValueError, match=r"tensor token_embd\.weight: GGUF type Q5_0 is not supported"):
+        load_model(path)
+
+
+def test_unsupported_architecture_and_tokenizer_are_refused_by_name(tmp_path):
+    writer = GGUFWriter(str(tmp_path / "phi.gguf"), "phi3")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["a"])
+    writer.add_tensor("token_embd.weight", np.zeros((1, 32), np.float32))
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file,
+                 writer.close):
+        step()
+    with pytest.raises(ValueError, match="GGUF architecture 'phi3' is not supported"):
+        load_model(tmp_path / "phi.gguf")
+    with pytest.raises(ValueError, match="GGUF tokenizer model 'llama' is not supported"):
+        TextTokenizer.from_dir(tmp_path)
+
+
+def test_a_directory_with_two_gguf_files_is_ambiguous(tmp_path):
+    hf = hf_model("llama")
+    for name in ("a.gguf", "b.gguf"):
+        write_gguf(tmp_path / name, hf)
+    with pytest.raises(ValueError, match=r"several GGUF files \(a.gguf, b.gguf\)"):
+        load_model(tmp_path)
+    assert load_model(tmp_path / "b.gguf").config.n_layers == 2
+
+
+@pytest.fixture(scope="module")
+def demo_gguf(tmp_path_factory):
+    """The demo model's BPE tokenizer (4096 tokens, merges, <|endoftext|>) in a GGUF, with a ChatML template."""
+    hf = hf_model("llama", vocab_size=4096)
+    directory = tmp_path_factory.mktemp("demo-gguf")
+    write_gguf(directory / "demo.gguf", hf, "Q8_0", Tokenizer.from_file(DEMO_TOKENIZER), CHATML, eos="<|endoftext|>")
+    return directory
+
+
+TEXTS = ["The with statement  opens a file.\n\n", "x = 12345 + 0.5  # héllo 日本", "<|endoftext|>after", " "]
+
+
+def test_gguf_tokenizer_equals_the_original_and_transformers(demo_gguf):
+    ours = TextTokenizer.from_dir(demo_gguf)
+    original = Tokenizer.from_file(DEMO_TOKENIZER)
+    theirs = transformers.AutoTokenizer.from_pretrained(demo_gguf, gguf_file="demo.gguf")
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == original.encode(text).ids == theirs.encode(text, add_special_tokens=False)
+        assert ours.decode(ids, skip_special_tokens=False) == text
+    assert ours.eos_token == "<|endoftext|>" and ours.eos_token_ids == (original.token_to_id("<|endoftext|>"),)
+    assert ours.decode(ours.encode("a<|endoftext|>b")) == "ab"  # a control token is special
+
+
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2 = ?"},
+                {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3 * 7?"}]
+
+
+def _hf_chat_ids(tokenizer, messages) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _ours_chat_ids(tokenizer: TextTokenizer, messages) -> list[int]:
+    return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+
+
+def test_chat_ids_from_gguf_metadata_equal_transformers(demo_gguf):
+    ours = TextTokenizer.from_dir(demo_gguf)
+    theirs = transformers.AutoTokenizer.from_pretrained(demo_gguf, gguf_file="demo.gguf")
+    assert ours.chat_template == CHATML
+    for messages in (CONVERSATION, CONVERSATION[1:2]):
+        assert _ours_chat_ids(ours, messages) == _hf_chat_ids(theirs, messages)
+
+
+JINJA = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}" \
+        "[assistant]{% endif %}"
+CONFIG_TEMPLATE = "{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}ASSISTANT:"
+
+
+@pytest.mark.parametrize("where", ["chat_template.jinja", "tokenizer_config.json", "both"])
+def test_chat_template_order_matches_transformers(tmp_path, where):
+    """chat_template.jinja first, then tokenizer_config.json: the same template transformers picks."""
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=DEMO_TOKENIZER, eos_token="<|endoftext|>")
+    fast.save_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    if where in ("tokenizer_config.json", "both"):
+        config["chat_template"] = CONFIG_TEMPLATE
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    if where in ("chat_template.jinja", "both"):
+        (tmp_path / "chat_template.jinja").write_text(JINJA)
+    ours = TextTokenizer.from_dir(tmp_path)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert ours.chat_template == (CONFIG_TEMPLATE if where == "tokenizer_config.json" else JINJA)
+    assert _ours_chat_ids(ours, CONVERSATION) == _hf_chat_ids(theirs, CONVERSATION)
+
+
+def test_a_jinja_file_beside_a_gguf_overrides_its_metadata(demo_gguf, tmp_path):
+    (tmp_path / "demo.gguf").symlink_to(demo_gguf / "demo.gguf")
+    (tmp_path / "chat_template.jinja").write_text(JINJA)
+    assert TextTokenizer.from_dir(tmp_path).apply_chat_template(CONVERSATION[1:2]) == "[user] 2 + 2 = ?\n[assistant]"
