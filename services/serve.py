@@ -23,6 +23,7 @@ import yaml
 
 from services.common import ray_adapter
 from services.common.deploy_config import GRPC_PORT, HEALTH_PORT, HTTP_PORT, LOCAL_PATH
+from services.text import default_model
 
 # Ray must bind 127.0.0.1, must not switch on token auth (a second driver could not connect), and must not phone
 # home (no network here).
@@ -58,7 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-cpus", type=float, default=None, help="CPUs Ray may schedule (default: all)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for every app to be RUNNING")
     parser.add_argument("--verbose", action="store_true", help="print the replicas' logs here")
-    for app in ("text", "gan", "vae", "diffusion"):
+    parser.add_argument("--text-model", metavar="PATH", default=None,
+                        help="a HF checkpoint directory or a GGUF file for the text app (default: "
+                             "$GENSERVE_TEXT_MODEL, else the fetched default model, else the demo weights)")
+    for app in ("gan", "vae", "diffusion"):
         parser.add_argument(
             f"--{app}-model", metavar="DIR", default=None,
             help=f"checkpoint directory for the {app} app (default: $GENSERVE_{app.upper()}_MODEL or demo weights)",
@@ -74,6 +78,8 @@ def load_config(args: argparse.Namespace) -> dict[str, Any]:
         if app["name"] == "health":
             app["args"]["port"] = args.health_port
         model_dir = getattr(args, f"{app['name']}_model", None)
+        if app["name"] == "text":
+            model_dir = default_model.resolve(model_dir or app["args"].get("model_dir"))
         if model_dir:
             app["args"]["model_dir"] = str(Path(model_dir).resolve())
     return config
@@ -119,13 +125,21 @@ def shutdown() -> None:
         ray.shutdown()
 
 
-def usage(args: argparse.Namespace) -> str:
+def config_text_model(config: dict[str, Any]) -> str:
+    text = next((app for app in config["applications"] if app["name"] == "text"), None)
+    return (text["args"].get("model_dir") if text else None) or "the committed demo model"
+
+
+def usage(args: argparse.Namespace, config: dict[str, Any]) -> str:
     address = f"127.0.0.1:{args.grpc_port}"
     flag = "" if args.grpc_port == GRPC_PORT else f" --address {address}"
     return "\n".join([
         f"{READY_LINE}: gRPC on {address} (metadata application=text|gan|vae|diffusion), "
         f"health without metadata on 127.0.0.1:{args.health_port}, metrics on 127.0.0.1:{args.metrics_port}",
+        f"  text model: {config_text_model(config)}",
         "  in another shell:",
+        f"    genserve{flag} chat \"What is the capital of France?\"",
+        f"    genserve{flag} chat",
         f"    genserve{flag} text \"The with statement\" --stream",
         f"    genserve{flag} gan -n 16 -o samples/",
         f"    genserve{flag} diffuse \"a large blue square at the bottom right\" -o square.png",
@@ -151,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, _raise_stop)
         signal.signal(signal.SIGTERM, _raise_stop)
         wait_ready([app["name"] for app in config["applications"]], args.timeout)
-        print(usage(args), flush=True)
+        print(usage(args, config), flush=True)
         print(f"  (ready in {time.monotonic() - started:.1f} s)", flush=True)
         while True:
             time.sleep(3600)

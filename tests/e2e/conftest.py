@@ -2,7 +2,8 @@
 
 Ports default to 9100 (gRPC), 9101 (health), 8100 (HTTP) and 8102 (metrics), away from `make serve` (9000) and
 the load-test stack (9200); GENSERVE_E2E_GRPC_PORT moves the whole block. The stack serves the committed demo
-weights unless GENSERVE_TEXT_MODEL / GENSERVE_GAN_MODEL / ... point elsewhere (the variables reach the replicas).
+weights (the text one too, even when `make` has fetched the default model) unless GENSERVE_TEXT_MODEL /
+GENSERVE_GAN_MODEL / ... point elsewhere (the variables reach the replicas).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from services.common.builder import model_dir_env
 from services.serve import READY_LINE
 
 ROOT = Path(__file__).resolve().parents[2]
+DEMO_TEXT_MODEL = ROOT / "services" / "text" / "weights"
 START_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 30.0
 
@@ -94,6 +96,8 @@ def serving(base: int, log: Path, *options: str) -> Iterator[Stack]:
     busy = [f"{name} {port}" for name, port in ports.items() if not _port_free(port)]
     if busy:
         pytest.fail(f"ports in use ({', '.join(busy)}); set GENSERVE_E2E_GRPC_PORT to another block")
+    if "--text-model" not in options:  # the demo model, even when `make` has fetched the default one
+        options = (*options, "--text-model", os.environ.get(model_dir_env("text")) or str(DEMO_TEXT_MODEL))
     command = [
         sys.executable, "-m", "services.serve", "--grpc-port", str(ports["grpc"]),
         "--health-port", str(ports["health"]), "--http-port", str(ports["http"]),

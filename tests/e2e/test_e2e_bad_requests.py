@@ -50,7 +50,8 @@ T, G, V, D = text_pb2, gan_pb2, vae_pb2, diffusion_pb2
 latents = common_pb2.Tensor
 CASES = {
     "text-empty-prompt": Case("text", "Generate", T.TextRequest(prompt=""), "prompt"),
-    "text-prompt-too-many-chars": Case("text", "Generate", T.TextRequest(prompt="x" * 16_385), "prompt"),
+    # 16 bytes per token of the demo model's 1024-token context, plus one
+    "text-prompt-over-byte-ceiling": Case("text", "Generate", T.TextRequest(prompt="x" * 16_385), "prompt"),
     "text-prompt-over-context": Case("text", "Generate", T.TextRequest(prompt="a " * 8000, max_tokens=8), "prompt"),
     "text-max-tokens-zero": Case("text", "Generate", T.TextRequest(prompt="hi", max_tokens=0), "max_tokens"),
     "text-max-tokens-negative": Case("text", "Generate", T.TextRequest(prompt="hi", max_tokens=-5), "max_tokens"),

@@ -19,7 +19,8 @@ def test_defaults_are_the_documented_ports(monkeypatch) -> None:
         monkeypatch.delenv(name, raising=False)
     args = parse()
     assert (args.grpc_port, args.health_port, args.http_port, args.metrics_port) == (9000, 9001, 8000, 8080)
-    assert "genserve text" in serve.usage(args) and "--address" not in serve.usage(args)
+    text = serve.usage(args, serve.load_config(args))
+    assert "genserve chat" in text and "genserve text" in text and "--address" not in text
 
 
 def test_ports_and_model_dirs_reach_the_config(tmp_path: Path) -> None:
@@ -30,7 +31,25 @@ def test_ports_and_model_dirs_reach_the_config(tmp_path: Path) -> None:
     assert apps["health"]["args"]["port"] == 9101
     assert apps["text"]["args"]["model_dir"] == str(tmp_path.resolve())
     assert apps["gan"]["args"]["model_dir"] is None
-    assert "--address 127.0.0.1:9100" in serve.usage(args)
+    assert "--address 127.0.0.1:9100" in serve.usage(args, config)
+    assert f"text model: {tmp_path.resolve()}" in serve.usage(args, config)
+
+
+def test_the_text_model_is_the_flag_else_the_env_var_else_the_fetched_default(monkeypatch, tmp_path: Path) -> None:
+    """Neither set: the default GGUF once `make serve` has fetched it, else None (the replica's demo weights)."""
+    def text_model(*argv: str) -> str | None:
+        apps = {app["name"]: app for app in serve.load_config(parse(*argv))["applications"]}
+        return apps["text"]["args"]["model_dir"]
+
+    fetched = tmp_path / "default.gguf"
+    monkeypatch.setattr(serve.default_model, "DEFAULT_GGUF", fetched)
+    monkeypatch.delenv("GENSERVE_TEXT_MODEL", raising=False)
+    assert text_model() is None
+    fetched.write_bytes(b"GGUF")
+    assert text_model() == str(fetched)
+    monkeypatch.setenv("GENSERVE_TEXT_MODEL", str(tmp_path))
+    assert text_model() == str(tmp_path)
+    assert text_model("--text-model", str(fetched)) == str(fetched)
 
 
 def test_env_vars_set_the_ports(monkeypatch) -> None:

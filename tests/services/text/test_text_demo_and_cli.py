@@ -48,7 +48,8 @@ def test_demo_model_continues_python_prose(demo):
 
 
 def test_generate_cli_prints_json(capsys):
-    args = parse(generate, ["--json", "--max-tokens", "5", "--temperature", "0", "--seed", "1", "def"])
+    args = parse(generate, ["--json", "--max-tokens", "5", "--temperature", "0", "--seed", "1", "--model-dir",
+                            str(DEMO_DIR), "def"])
     assert generate.run(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"text", "token_ids", "finish_reason"}
