@@ -31,10 +31,15 @@ class FakeText(text_pb2_grpc.TextGenerationServicer):
         return text_pb2.TextResponse(text=request.prompt[::-1], token_ids=[1, 2], finish_reason="length")
 
     def GenerateStream(self, request, context):
+        """The prompt back, one character per chunk; for messages, "[number of messages] last content"."""
         self.seen.append((dict(context.invocation_metadata()).get("application"), request))
-        for i, ch in enumerate(request.prompt):
-            last = i == len(request.prompt) - 1
+        text = request.prompt or f"[{len(request.messages)}] {request.messages[-1].content}"
+        for i, ch in enumerate(text):
+            last = i == len(text) - 1
             yield text_pb2.TextChunk(text=ch, token_ids=[i], finish_reason="length" if last else "")
+
+    def GetModelInfo(self, request, context):
+        return text_pb2.ModelInfo(model_name="fake-model")
 
 
 class FakeGan(gan_pb2_grpc.ImageGanServicer):

@@ -1,7 +1,9 @@
-"""The `genserve` CLI against the fake server: text (unary and --stream), gan PNGs, errors and dispatch."""
+"""The `genserve` CLI against the fake server: text (unary and --stream), chat, gan PNGs, errors, option order and
+dispatch."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -74,3 +76,36 @@ def test_a_missing_input_file_is_a_clear_error(fake_server, tmp_path: Path, caps
     address, _ = fake_server
     assert main(["--address", address, "vae", "decode", str(tmp_path / "nope.json"), "-o", str(tmp_path)]) == 2
     assert "nope.json" in capsys.readouterr().err
+
+
+def test_chat_one_shot_streams_the_answer(fake_server, capsys) -> None:
+    address, seen = fake_server
+    assert main(["chat", "Capital of France?", "--address", address]) == 0
+    assert capsys.readouterr().out == "[1] Capital of France?\n"
+    request = seen[-1][1]
+    assert [(m.role, m.content) for m in request.messages] == [("user", "Capital of France?")]
+    assert not request.prompt and request.temperature == 0 and request.max_tokens == 512
+
+
+def test_chat_loop_keeps_the_history_until_reset_and_ends_on_eof(fake_server, capsys, monkeypatch) -> None:
+    address, seen = fake_server
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\nagain\n/reset\n\nfresh\n"))
+    assert main(["--address", address, "chat", "--system", "Be brief."]) == 0
+    out, err = capsys.readouterr()
+    assert "fake-model" in err and "(history cleared)" in err
+    assert out.splitlines()[:3] == ["> [2] hello", "> [4] again", "> > > [2] fresh"]
+    history = [[(m.role, m.content) for m in r.messages] for _, r in seen]
+    assert history[1] == [("system", "Be brief."), ("user", "hello"), ("assistant", "[2] hello"), ("user", "again")]
+    assert history[2] == [("system", "Be brief."), ("user", "fresh")]
+
+
+def test_common_options_go_before_or_after_the_subcommand(fake_server, capsys) -> None:
+    address, _ = fake_server
+    assert main(["text", "hi", "--address", address, "--timeout", "2"]) == 0
+    assert main(["--address", "127.0.0.1:1", "--timeout", "1", "text", "hi", "--address", address]) == 0
+    assert capsys.readouterr().out == "ih\nih\n"
+
+
+def test_no_server_is_said_plainly(capsys) -> None:
+    assert main(["info", "--address", "127.0.0.1:1", "--timeout", "2"]) == 1
+    assert capsys.readouterr().err == "genserve: no genserve server at 127.0.0.1:1 — start one with `make serve`\n"

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 from services.text.engine import EngineConfig, LLMEngine, SamplingParams
 from services.text.gguf import GGUFCheckpoint, tensor_weight, unpermute_rows
 from services.text.loader import load_model
-from services.text.tokenizer import TextTokenizer
+from services.text.tokenizer import NoChatTemplate, TextTokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -199,3 +199,19 @@ def test_a_jinja_file_beside_a_gguf_overrides_its_metadata(demo_gguf, tmp_path):
     (tmp_path / "demo.gguf").symlink_to(demo_gguf / "demo.gguf")
     (tmp_path / "chat_template.jinja").write_text(JINJA)
     assert TextTokenizer.from_dir(tmp_path).apply_chat_template(CONVERSATION[1:2]) == "[user] 2 + 2 = ?\n[assistant]"
+
+
+def test_no_chat_template_is_failed_precondition_never_a_guess(tmp_path):
+    import grpc
+
+    from services.common.errors import to_status
+    from services.text.app import TextGeneration
+
+    path = write_gguf(tmp_path / "plain.gguf", hf_model("llama"), tokenizer=byte_tokenizer()._tok)
+    tokenizer = TextTokenizer.from_dir(path)
+    assert tokenizer.chat_template is None and tokenizer.encode("hi") == [104, 105]
+    with pytest.raises(NoChatTemplate) as raised:
+        tokenizer.apply_chat_template(CONVERSATION)
+    status = to_status(raised.value, "rid", TextGeneration.func_or_class.known_errors)
+    assert status.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert status.details.startswith("messages: this model has no chat template")
