@@ -215,3 +215,40 @@ def test_no_chat_template_is_failed_precondition_never_a_guess(tmp_path):
     status = to_status(raised.value, "rid", TextGeneration.func_or_class.known_errors)
     assert status.code == grpc.StatusCode.FAILED_PRECONDITION
     assert status.details.startswith("messages: this model has no chat template")
+
+
+def test_int8_and_bfloat16_serving_of_a_gguf_file(tmp_path):
+    hf = hf_model("qwen2")
+    path = write_gguf(tmp_path / "q8.gguf", hf, "Q8_0")
+    ids = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        reference = load_model(path)(ids)
+        for dtype, atol in (("int8", 0.05), ("bfloat16", 0.05)):
+            model = load_model(path, dtype)
+            assert model.config.dtype == dtype
+            assert (model(ids).float() - reference).abs().max().item() < atol
+
+
+def test_pre_tokenizers_split_digits_as_llama_cpp_names_them():
+    from services.text.gguf_tokenizer import pre_tokenizer
+
+    def words(name: str, text: str) -> list[str]:
+        return [w for w, _ in pre_tokenizer(name).pre_tokenize_str(text)]
+
+    assert words("smollm", "x 2024") == ["x", "Ġ", "2", "0", "2", "4"]
+    assert words("gpt-2", "x 2024") == ["x", "Ġ2024"]
+    assert words("llama-bpe", "x 2024") == ["x", "Ġ", "202", "4"]
+    assert words("qwen2", "x 2024") == ["x", "Ġ", "2", "0", "2", "4"]
+    with pytest.raises(ValueError, match="GGUF pre-tokenizer 'tekken' is not supported"):
+        pre_tokenizer("tekken")
+
+
+def test_bos_is_added_when_the_metadata_asks():
+    from services.text.gguf_tokenizer import gguf_tokenizer
+
+    metadata = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["<s>", "a", "b", "ab"],
+                "tokenizer.ggml.token_type": [3, 1, 1, 1], "tokenizer.ggml.merges": ["a b"],
+                "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.add_bos_token": True}
+    tokenizer, config = gguf_tokenizer(metadata)
+    assert config["bos_token"] == "<s>" and tokenizer.encode("abab").ids == [0, 3, 3]
+    assert tokenizer.encode("ab", add_special_tokens=False).ids == [3]
