@@ -1,0 +1,57 @@
+"""`make serve`'s default text model through the whole stack: a stack of its own (the text app only, ports
+GENSERVE_E2E_GRPC_PORT + 40...) serving the fetched SmolLM2 GGUF, asked with `genserve chat`."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import yaml
+
+from services.client import Client
+from services.client.cli import main
+from services.common.deploy_config import LOCAL_PATH
+from services.text import default_model
+
+pytestmark = pytest.mark.slow
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def smollm2_stack(tmp_path_factory: pytest.TempPathFactory, serve, base_port: int) -> Iterator[Any]:
+    gguf = default_model.cached()
+    if gguf is None:
+        pytest.skip("the default model is not fetched (`make default-model`; needs the package registry)")
+    config = yaml.safe_load(LOCAL_PATH.read_text())
+    config["applications"] = [app for app in config["applications"] if app["name"] == "text"]
+    folder = tmp_path_factory.mktemp("smollm2-stack")
+    (folder / "serve.yaml").write_text(yaml.safe_dump(config))
+    with serve(base_port + 40, folder / "serve.log", "--config", str(folder / "serve.yaml"),
+               "--text-model", str(gguf)) as stack:
+        yield stack
+
+
+def test_info_names_the_served_gguf(smollm2_stack, capsys) -> None:
+    assert main(["info", "--address", smollm2_stack.address]) == 0
+    lines = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines() if " " in line.strip())
+    assert lines["model_name"] == "SmolLM2-135M-Instruct.Q4_1" and lines["quantization"] == "Q4_1"
+    assert lines["model_path"].endswith(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert lines["max_context"] == "8192"
+
+
+def test_chat_one_shot_answers_paris(smollm2_stack, capsys) -> None:
+    assert main(["chat", QUESTION, "--address", smollm2_stack.address, "--timeout", "120"]) == 0
+    assert "Paris" in capsys.readouterr().out
+
+
+def test_interactive_chat_streams_and_keeps_the_history(smollm2_stack, capsys, monkeypatch) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"{QUESTION}\nAnd its population?\n"))
+    assert main(["chat", "--address", smollm2_stack.address, "--timeout", "120"]) == 0
+    first, second = capsys.readouterr().out.split("> ")[1:3]
+    assert "Paris" in first and second.strip()
+    with Client(smollm2_stack.address, timeout=120) as client:
+        chunks = list(client.generate_stream(messages=[{"role": "user", "content": QUESTION}], temperature=0))
+    assert sum(bool(c.text) for c in chunks) >= 5 and chunks[-1].finish_reason == "eos"
+    assert "Paris" in "".join(c.text for c in chunks)
