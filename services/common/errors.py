@@ -29,6 +29,10 @@ class InvalidArgument(ValueError):
         self.field = field
         self.message = message
 
+    def __reduce__(self) -> tuple:
+        """Pickled with its two arguments, so it crosses a deployment handle (Ray pickles a replica's errors)."""
+        return type(self), (self.field, self.message)
+
 
 class Overloaded(RuntimeError):
     """The service cannot take this request now; the client should retry later."""
