@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.diffusion.app import DiffusionIn
+from services.diffusion.schedulers import SCHEDULERS
 from services.text.app import TextIn
 
 # Choices per request: completions multiply it by the number of prompts.
@@ -112,4 +113,4 @@ class ImageBody(Body):
     negative_prompt: str | None = None
     steps: int | None = bounds(DiffusionIn, "steps")
     guidance_scale: float | None = bounds(DiffusionIn, "guidance_scale")
-    scheduler: str | None = None
+    scheduler: str | None = Field(None, json_schema_extra={"enum": list(SCHEDULERS)})
