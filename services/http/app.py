@@ -217,7 +217,7 @@ class OpenAIApi:
         handle = self._handle("text").options(stream=True)
         streams = [handle.GenerateStream.remote(r) for r in job.requests]
         chunks = merge(streams)
-        counted = asyncio.ensure_future(self._prompt_tokens(job)) if include_usage else None
+        counted: asyncio.Future | None = None
 
         def stop() -> None:
             for s in streams:
@@ -231,6 +231,8 @@ class OpenAIApi:
             stop()
             await chunks.aclose()
             raise
+        if include_usage:  # counted while the rest is generated, not beside the prefill
+            counted = asyncio.ensure_future(self._prompt_tokens(job))
 
         async def events() -> AsyncIterator[bytes]:
             try:
