@@ -322,7 +322,7 @@ class OpenAIUser(User):
 
     @task(3)
     def chat_stream(self) -> None:
-        name, start, length = "HTTP chat.completions (stream)", time.perf_counter(), 0
+        name, start, length, first = "HTTP chat.completions (stream)", time.perf_counter(), 0, True
         body = {"model": "text", "messages": [{"role": "user", "content": random.choice(PROMPTS)}],
                 "max_tokens": MAX_TOKENS, "temperature": 0.8, "top_p": 0.95, "seed": random.randrange(2**31),
                 "stream": True}
@@ -332,8 +332,9 @@ class OpenAIUser(User):
                 if response.status_code != 200:
                     return self._fire(name, start, 0, response.status_code)
                 for line in response.iter_lines():
-                    if length == 0 and b'"content":"' in line and b'"content":""' not in line:
+                    if first and b'"content":"' in line and b'"content":""' not in line:  # past the role chunk
                         self._fire(name + FIRST_SUFFIX, start, len(line), 200)
+                        first = False
                     length += len(line)
         except requests.RequestException:
             return self._fire(name, start, length, 599)

@@ -75,7 +75,8 @@ class _Diffusion(diffusion_pb2_grpc.DiffusionServicer):
 
 
 class _OpenAI(http.server.BaseHTTPRequestHandler):
-    """The HTTP API's stand-in: chat streams three SSE chunks 20 ms apart; images are shed with 429."""
+    """The HTTP API's stand-in: chat streams the role chunk, then three content chunks 20 ms apart; images are shed
+    with 429."""
 
     def log_message(self, *args) -> None:
         pass
@@ -91,6 +92,7 @@ class _OpenAI(http.server.BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("content-type", "text/event-stream")
         self.end_headers()
+        self.wfile.write(b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n')
         for _ in range(3):
             time.sleep(0.02)
             self.wfile.write(b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n')
