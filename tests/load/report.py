@@ -310,7 +310,8 @@ def render_run(run: LoadRun, image_dir: Path) -> list[str]:
             f"| {row.name} | {row.ok} | {row.rps:.2f} | {_ms(row.p50)} | {_ms(row.p95)} | {_ms(row.p99)} "
             f"| {row.failed} | {row.shed} | {_ms(row.shed_p50)} | {_ms(row.shed_p99)} |"
         )
-    lines += ["", "Answers other than OK, by gRPC status code (HTTP: 429 as RESOURCE_EXHAUSTED, else HTTP_<status>):", ""]
+    lines += ["", "Answers other than OK, by gRPC status code (HTTP: 429 as RESOURCE_EXHAUSTED, else HTTP_<status>):",
+              ""]
     failures = run.failures_by_code()
     if failures:
         lines += ["| code | count | RPCs |", "|---|---:|---|"]
