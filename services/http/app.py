@@ -12,7 +12,8 @@ A client that disconnects cancels its handle calls: the text engine aborts the r
 and the diffusion loop stops at its next step. Errors are OpenAI error objects (services/http/errors.py).
 """
 
-
+# No `from __future__ import annotations` here: FastAPI reads the routes' parameter types at runtime (through
+# serve.ingress), and string annotations would turn the bodies into query parameters.
 import asyncio
 import logging
 import time
@@ -247,7 +248,11 @@ class OpenAIApi:
                     yield text.sse(writer.usage_chunk(await counted))
                 yield text.sse("[DONE]")
             except Exception as exc:  # after the headers: the error goes in the stream, as OpenAI does
-                yield text.sse(describe(exc, _request_id(), text.body_fields(body), TEXT_ERRORS)[1])
+                request_id = _request_id()
+                status, error = describe(exc, request_id, text.body_fields(body), TEXT_ERRORS)
+                if status >= 500:
+                    logger.exception("HTTP stream failed (request id %s)", request_id)
+                yield text.sse(error)
             finally:
                 stop()
                 await chunks.aclose()
