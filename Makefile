@@ -12,7 +12,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export RAY_AUTH_MODE := disabled
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 
-.PHONY: setup serve test lint protos load gpu-check default-model
+.PHONY: setup serve test lint protos load gpu-check default-model fuzz-http
 
 setup: $(STAMP)
 
@@ -47,3 +47,7 @@ load: $(STAMP)
 # On a machine with a CUDA GPU (and a CUDA build of torch: TORCH_SPEC / deploy/Dockerfile): every GPU check, one table.
 gpu-check: $(STAMP)
 	$(PY) bench/gpu_check.py
+
+# schemathesis against the HTTP API's own OpenAPI schema on a fresh local stack: >= 500 requests, no 5xx.
+fuzz-http: $(STAMP)
+	GENSERVE_FUZZ_EXAMPLES=100 GENSERVE_FUZZ_MIN_REQUESTS=500 $(PY) -m pytest -q tests/e2e/test_e2e_http_fuzz.py

@@ -1,17 +1,21 @@
 """Serving overhead: p50/p99 latency of trivial RPCs through the Ray Serve gRPC proxy and of a 16-token text
-generation, next to a plain grpc.aio server answering the same trivial RPC in this process.
+generation, next to a plain grpc.aio server answering the same trivial RPC in this process; then the same streamed
+chat over gRPC and over the OpenAI-compatible HTTP API (first token and whole answer), and 16 concurrent streamed
+chats over each protocol (tokens/s in total).
 
-    .venv/bin/python bench/serving.py                  # starts its own stack on ports 9300-9301
-    .venv/bin/python bench/serving.py --address 127.0.0.1:9000 --health-address 127.0.0.1:9001   # a running one
+    .venv/bin/python bench/serving.py                  # starts its own stack on ports 9300-9301 (HTTP 8300)
+    .venv/bin/python bench/serving.py --address 127.0.0.1:9000 --health-address 127.0.0.1:9001 \
+        --http-url http://127.0.0.1:8000/v1            # a running one
 
-Calls are sequential (one in flight) so the figures are latencies, not throughput. When the bench starts the
-stack itself, a last row times the same generation on the engine in-process: the model's share of the total.
+Calls in the latency tables are sequential (one in flight) so the figures are latencies, not throughput. When the
+bench starts the stack itself, a last row times the same generation on the engine in-process: the model's share.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -23,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
+import httpx
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -31,10 +36,11 @@ sys.path.insert(0, str(ROOT))
 
 from genserve.v1 import text_pb2, text_pb2_grpc  # noqa: E402
 
-from services.client import Client  # noqa: E402
+from services.client import AsyncClient, Client  # noqa: E402
 from services.serve import READY_LINE  # noqa: E402
 
 INFO = text_pb2.ModelInfo(model_name="plain", architecture="none", vocab_size=1, max_context=1)
+CHAT = [{"role": "user", "content": "Write a short poem about the sea"}]
 
 
 class PlainText(text_pb2_grpc.TextGenerationServicer):
@@ -131,6 +137,92 @@ def measure(args: argparse.Namespace) -> list[tuple[str, np.ndarray, str]]:
     return rows
 
 
+def grpc_chat(client: Client, max_tokens: int) -> tuple[float, float, int]:
+    """One streamed chat over gRPC: (ms to the first token, ms to the end, tokens)."""
+    start, first, tokens = time.perf_counter(), 0.0, 0
+    for chunk in client.generate_stream(messages=CHAT, max_tokens=max_tokens, temperature=0):
+        if chunk.token_ids and not tokens:
+            first = time.perf_counter() - start
+        tokens += len(chunk.token_ids)
+    return first * 1e3, (time.perf_counter() - start) * 1e3, tokens
+
+
+def chat_body(max_tokens: int) -> dict:
+    return {"model": "text", "messages": CHAT, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+
+def sse_tokens(line: str) -> int | None:
+    """The completion tokens of a stream's usage chunk, else None."""
+    if not line.startswith("data: {"):
+        return None
+    usage = json.loads(line[6:]).get("usage")
+    return usage["completion_tokens"] if usage else None
+
+
+def http_chat(http: httpx.Client, max_tokens: int) -> tuple[float, float, int]:
+    """The same chat over HTTP (server-sent events): (ms to the first token, ms to [DONE], tokens)."""
+    start, first, tokens = time.perf_counter(), 0.0, 0
+    with http.stream("POST", "/chat/completions", json=chat_body(max_tokens)) as response:
+        for line in response.iter_lines():
+            if not first and '"content":"' in line and '"content":""' not in line:
+                first = time.perf_counter() - start
+            tokens = sse_tokens(line) or tokens
+    return first * 1e3, (time.perf_counter() - start) * 1e3, tokens
+
+
+def chat_rows(args: argparse.Namespace) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """(name, gRPC ms, HTTP ms) for the first token and the whole answer, calls alternating between protocols."""
+    runs: dict[str, list[tuple[float, float, int]]] = {"grpc": [], "http": []}
+    with Client(args.address, timeout=120) as client, httpx.Client(base_url=args.http_url, timeout=120) as http:
+        for i in range(args.n_generate + 2):
+            g, h = grpc_chat(client, args.chat_tokens), http_chat(http, args.chat_tokens)
+            if i >= 2:  # warm-up
+                runs["grpc"].append(g)
+                runs["http"].append(h)
+    tokens = int(np.median([r[2] for r in runs["grpc"]]))
+    assert tokens == int(np.median([r[2] for r in runs["http"]])), "the protocols answered differently"
+    grpc_ms, http_ms = np.array(runs["grpc"]), np.array(runs["http"])
+    return [(f"chat stream, first token ({tokens} tokens)", grpc_ms[:, 0], http_ms[:, 0]),
+            (f"chat stream, whole answer ({tokens} tokens)", grpc_ms[:, 1], http_ms[:, 1])]
+
+
+async def grpc_concurrent(address: str, streams: int, max_tokens: int) -> tuple[int, float]:
+    async with AsyncClient(address, timeout=300) as client:
+        async def one() -> int:
+            return sum([len(c.token_ids) async for c in client.generate_stream(
+                messages=CHAT, max_tokens=max_tokens, temperature=0)])
+
+        start = time.perf_counter()
+        tokens = await asyncio.gather(*(one() for _ in range(streams)))
+        return sum(tokens), time.perf_counter() - start
+
+
+async def http_concurrent(url: str, streams: int, max_tokens: int) -> tuple[int, float]:
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=streams)) as http:
+        async def one() -> int:
+            tokens = 0
+            async with http.stream("POST", "/chat/completions", json=chat_body(max_tokens)) as response:
+                async for line in response.aiter_lines():
+                    tokens = sse_tokens(line) or tokens
+            return tokens
+
+        start = time.perf_counter()
+        tokens = await asyncio.gather(*(one() for _ in range(streams)))
+        return sum(tokens), time.perf_counter() - start
+
+
+def concurrent_rows(args: argparse.Namespace) -> list[tuple[str, float, float]]:
+    """(protocol, tokens/s in total, seconds) of `--streams` concurrent streamed chats, best of `--rounds`."""
+    rows = []
+    for name, run in (("gRPC", lambda: grpc_concurrent(args.address, args.streams, args.stream_tokens)),
+                      ("HTTP", lambda: http_concurrent(args.http_url, args.streams, args.stream_tokens))):
+        asyncio.run(run())  # warm-up
+        best = max((asyncio.run(run()) for _ in range(args.rounds)), key=lambda r: r[0] / r[1])
+        rows.append((name, best[0] / best[1], best[1]))
+    return rows
+
+
 def engine_in_process(n: int) -> tuple[str, np.ndarray, str]:
     """The same 16-token generation on the engine in this process (the served demo model): the model's share."""
     from services.text.engine import AsyncLLMEngine, SamplingParams
@@ -154,6 +246,26 @@ def table(rows: list[tuple[str, np.ndarray, str]]) -> str:
     return "\n".join(lines)
 
 
+def chat_table(rows: list[tuple[str, np.ndarray, np.ndarray]]) -> str:
+    lines = [f"| {'streamed chat':40} | {'n':>4} | {'gRPC p50':>8} | {'gRPC p99':>8} | {'HTTP p50':>8} | "
+             f"{'HTTP p99':>8} | HTTP / gRPC (p50) |",
+             f"|{'-' * 42}|{'-' * 6}|{'-' * 10}|{'-' * 10}|{'-' * 10}|{'-' * 10}|-------------------|"]
+    for name, grpc_ms, http_ms in rows:
+        g50, g99 = np.percentile(grpc_ms, [50, 99])
+        h50, h99 = np.percentile(http_ms, [50, 99])
+        lines.append(f"| {name:40} | {len(grpc_ms):>4} | {g50:8.2f} | {g99:8.2f} | {h50:8.2f} | {h99:8.2f} | "
+                     f"{h50 / g50:16.2f}x |")
+    return "\n".join(lines)
+
+
+def concurrency_table(rows: list[tuple[str, float, float]], streams: int, tokens: int) -> str:
+    base = rows[0][1]
+    lines = [f"| {streams} concurrent streamed chats, {tokens} tokens each | tok/s in total | seconds | / gRPC |",
+             "|---|---|---|---|"]
+    lines += [f"| {name} | {rate:.0f} | {seconds:.2f} | {rate / base:.2f}x |" for name, rate, seconds in rows]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--address", help="a running stack's gRPC address (default: start one on 9300)")
@@ -161,19 +273,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-n", type=int, default=300, help="calls per trivial RPC")
     parser.add_argument("--n-generate", type=int, default=30, help="calls of the 16-token generation")
     parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--http-url", help="the OpenAI-compatible API (default: the stack's, port = gRPC - 1000)")
+    parser.add_argument("--chat-tokens", type=int, default=16, help="max_tokens of the sequential streamed chats")
+    parser.add_argument("--streams", type=int, default=16, help="concurrent streamed chats per protocol")
+    parser.add_argument("--stream-tokens", type=int, default=64, help="max_tokens of each concurrent chat")
+    parser.add_argument("--rounds", type=int, default=3, help="concurrent rounds per protocol (the best is shown)")
     args = parser.parse_args(argv)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     args.address_is_ours = args.address is None
     if args.address is None:
         args.address = "127.0.0.1:9300"
+        args.http_url = args.http_url or "http://127.0.0.1:8300/v1"
         args.health_address = args.health_address or "127.0.0.1:9301"
         with serve_stack(9300):
-            rows = measure(args)
+            rows, chats, concurrent = measure(args), chat_rows(args), concurrent_rows(args)
     else:
         host, port = args.address.rsplit(":", 1)
         args.health_address = args.health_address or f"{host}:{int(port) + 1}"
-        rows = measure(args)
+        args.http_url = args.http_url or f"http://{host}:{int(port) - 1000}/v1"
+        rows, chats, concurrent = measure(args), chat_rows(args), concurrent_rows(args)
     print(table(rows))
+    print()
+    print(chat_table(chats))
+    print()
+    print(concurrency_table(concurrent, args.streams, args.stream_tokens))
     return 0
 
 

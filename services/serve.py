@@ -4,7 +4,7 @@ print how to call it, and shut everything down on Ctrl-C or SIGTERM.
 Ports are flags (or env vars) so that several stacks can share a machine:
   --grpc-port (GENSERVE_GRPC_PORT, 9000)    the Serve gRPC proxy; clients send the `application` metadata
   --health-port (GENSERVE_HEALTH_PORT, 9001) grpc.health.v1.Health/Check for clients without metadata
-  --http-port (GENSERVE_HTTP_PORT, 8000)    the Serve HTTP proxy (unused by genserve, but Serve binds it)
+  --http-port (GENSERVE_HTTP_PORT, 8000)    the Serve HTTP proxy: the OpenAI-compatible API under /v1
   --metrics-port (GENSERVE_METRICS_PORT, 8080) Ray's Prometheus endpoint, with the genserve_* metrics
 Ray's own ports (GCS, raylet, object manager) are picked free at start.
 """
@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-port", type=int, default=_env_int("GENSERVE_HEALTH_PORT", HEALTH_PORT),
                         help="Health/Check without metadata (default $GENSERVE_HEALTH_PORT or 9001)")
     parser.add_argument("--http-port", type=int, default=_env_int("GENSERVE_HTTP_PORT", HTTP_PORT),
-                        help="Serve's HTTP proxy, unused by genserve (default $GENSERVE_HTTP_PORT or 8000)")
+                        help="Serve's HTTP proxy: the OpenAI-compatible API (default $GENSERVE_HTTP_PORT or 8000)")
     parser.add_argument("--metrics-port", type=int, default=_env_int("GENSERVE_METRICS_PORT", METRICS_PORT),
                         help="Prometheus metrics (default $GENSERVE_METRICS_PORT or 8080)")
     parser.add_argument("--dashboard", action="store_true", help="also start the Ray dashboard (about 1 GB)")
@@ -135,6 +135,7 @@ def usage(args: argparse.Namespace, config: dict[str, Any]) -> str:
     flag = "" if args.grpc_port == GRPC_PORT else f" --address {address}"
     return "\n".join([
         f"{READY_LINE}: gRPC on {address} (metadata application=text|gan|vae|diffusion), "
+        f"the OpenAI-compatible API on http://127.0.0.1:{args.http_port}/v1, "
         f"health without metadata on 127.0.0.1:{args.health_port}, metrics on 127.0.0.1:{args.metrics_port}",
         f"  text model: {config_text_model(config)}",
         "  in another shell:",
@@ -145,6 +146,8 @@ def usage(args: argparse.Namespace, config: dict[str, Any]) -> str:
         f"    genserve{flag} diffuse \"a large blue square at the bottom right\" -o square.png",
         f"    genserve{flag} vae reconstruct square.png -o recon.png",
         f"    genserve{flag} status",
+        f"    curl http://127.0.0.1:{args.http_port}/v1/chat/completions -H 'content-type: application/json' "
+        "-d '{\"model\": \"text\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'",
         "  Ctrl-C stops everything.",
     ])
 

@@ -22,6 +22,8 @@ OUTPUT = ROOT / "deploy" / "kuberay" / "rayservice.yaml"
 RAY_VERSION = "2.60.0"
 IMAGE = "genserve:0.1.0"
 GRPC_PORT = 9000
+# The Serve HTTP proxy: the OpenAI-compatible API (the `http` app, docs/protocol.md).
+HTTP_PORT = 8000
 # The health gateway's metadata-less grpc.health.v1 server; the serve config pins it to the head node.
 HEALTH_PORT = 9001
 DASHBOARD_PORT = 8265
@@ -78,6 +80,7 @@ def _head_group() -> dict:
                             {"containerPort": DASHBOARD_PORT, "name": "dashboard"},
                             {"containerPort": METRICS_PORT, "name": "metrics"},
                             {"containerPort": GRPC_PORT, "name": "grpc"},
+                            {"containerPort": HTTP_PORT, "name": "http"},
                             {"containerPort": HEALTH_PORT, "name": "grpc-health"},
                         ],
                         "resources": {
@@ -132,13 +135,14 @@ def manifest(serve_config: dict) -> dict:
         "metadata": {"name": "genserve"},
         "spec": {
             "serveConfigV2": _Block(yaml.safe_dump(serve_config, sort_keys=False)),
-            # Clients reach the Serve gRPC proxy at genserve-serve-svc:9000; load balancers can health-check
-            # grpc.health.v1 without metadata on 9001.
+            # Clients reach the Serve gRPC proxy at genserve-serve-svc:9000 and the OpenAI-compatible HTTP API on
+            # 8000; load balancers can health-check grpc.health.v1 without metadata on 9001.
             "serveService": {
                 "metadata": {"name": "genserve-serve-svc"},
                 "spec": {
                     "ports": [
                         {"name": "grpc", "port": GRPC_PORT, "targetPort": GRPC_PORT},
+                        {"name": "http", "port": HTTP_PORT, "targetPort": HTTP_PORT},
                         {"name": "grpc-health", "port": HEALTH_PORT, "targetPort": HEALTH_PORT},
                     ]
                 },

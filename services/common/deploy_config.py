@@ -52,6 +52,8 @@ class AppSpec:
     max_ongoing_requests: int
     max_queued_requests: int
     settings: tuple[tuple[str, Any], ...] = ()  # the app's own `args` beside model_dir (services/text/settings.py)
+    route_prefix: str | None = None  # default /<name>; the HTTP API takes "/" (its paths start with /v1)
+    loads_model: bool = True  # False: no model_dir arg (the HTTP API reaches the models through handles)
 
     def __post_init__(self) -> None:
         if not 0 < self.min_replicas <= self.max_replicas:
@@ -73,12 +75,16 @@ LOCAL_APPS = (
     AppSpec("gan", "ImageGan", 0.1, 0, 1, 2, 2, 8, 32),
     AppSpec("vae", "Vae", 0.1, 0, 1, 2, 2, 8, 32),
     AppSpec("diffusion", "Diffusion", 0.3, 0, 1, 2, 1, 2, 8),
+    # The HTTP API only forwards: it holds every open stream (far more than the apps behind it take), so the
+    # apps behind it shed load first and their refusals reach the client as 429s.
+    AppSpec("http", "OpenAIApi", 0.05, 0, 1, 2, 32, 256, 256, route_prefix="/", loads_model=False),
 )
 GPU_APPS = (
     AppSpec("text", "TextGeneration", 1, 0.4, 1, 4, 8, 256, 1024, GPU_TEXT_SETTINGS),
     AppSpec("gan", "ImageGan", 1, 0.1, 1, 4, 4, 16, 128),
     AppSpec("vae", "Vae", 1, 0.1, 1, 4, 4, 16, 128),
     AppSpec("diffusion", "Diffusion", 1, 0.3, 1, 4, 2, 4, 32),
+    AppSpec("http", "OpenAIApi", 1, 0, 1, 4, 64, 1024, 1024, route_prefix="/", loads_model=False),
 )
 HEALTH_NUM_CPUS = 0.01
 
@@ -101,9 +107,9 @@ def _app(spec: AppSpec, model_dir: str | None) -> dict[str, Any]:
         actor_options["num_gpus"] = spec.num_gpus
     return {
         "name": spec.name,
-        "route_prefix": f"/{spec.name}",
+        "route_prefix": spec.route_prefix or f"/{spec.name}",
         "import_path": f"services.{spec.name}.app:build",
-        "args": {"model_dir": model_dir, **dict(spec.settings)},
+        "args": {"model_dir": model_dir, **dict(spec.settings)} if spec.loads_model else {},
         "deployments": [
             {
                 "name": spec.deployment,
@@ -147,7 +153,9 @@ def serve_config(
     return {
         "proxy_location": "HeadOnly",
         "http_options": {"host": host, "port": http_port},
-        "grpc_options": {"port": grpc_port, "grpc_servicer_functions": list(SERVICER_FUNCTIONS)},
+        # Reflection lets grpcurl and similar tools list and call the services without the .proto files.
+        "grpc_options": {"port": grpc_port, "grpc_servicer_functions": list(SERVICER_FUNCTIONS),
+                         "enable_reflection": True},
         "logging_config": {"encoding": "TEXT", "log_level": "INFO"},
         "applications": [_app(spec, dirs.get(spec.name)) for spec in apps] + [_health_app(host, health_port)],
     }

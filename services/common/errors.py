@@ -30,6 +30,10 @@ class InvalidArgument(ValueError):
         self.field = field
         self.message = message
 
+    def __reduce__(self) -> tuple:
+        """Pickled with its two arguments, so it crosses a deployment handle (Ray pickles a replica's errors)."""
+        return type(self), (self.field, self.message)
+
 
 class NotFound(LookupError):
     """The request names something this server does not have (e.g. an unknown health service name)."""

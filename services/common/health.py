@@ -18,6 +18,7 @@ from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from .errors import NotFound
 
@@ -92,6 +93,9 @@ def start_health_server(host: str, port: int, cache: ServeStatusCache) -> grpc.S
     # No SO_REUSEPORT: a second stack on the same port must fail loudly, not share probes with the first.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=[("grpc.so_reuseport", 0)])
     health_pb2_grpc.add_HealthServicer_to_server(_HealthServicer(cache), server)
+    # Reflection, as on the Serve proxy's port: grpcurl can list and call Health here without the .proto.
+    reflection.enable_server_reflection([health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                         reflection.SERVICE_NAME], server)
     try:
         bound = server.add_insecure_port(f"{host}:{port}")
     except RuntimeError:

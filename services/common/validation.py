@@ -14,6 +14,8 @@ from google.protobuf.message import Message
 from pydantic import BaseModel, ConfigDict
 
 M = TypeVar("M", bound=BaseModel)
+# Seeds travel as int64.
+MAX_SEED = 2**63 - 1
 
 
 class Request(BaseModel):

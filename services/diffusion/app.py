@@ -29,7 +29,7 @@ from services.common.device import serving_device
 from services.common.images import image_messages, tensor_message
 from services.common.metrics import ServiceMetrics
 from services.common.rpc import streaming, unary, unknown_rpcs
-from services.common.validation import Request, parse, resolve_seed
+from services.common.validation import MAX_SEED, Request, parse, resolve_seed
 from services.diffusion.pipeline import (
     DEFAULT_GUIDANCE_SCALE,
     DEFAULT_STEPS,
@@ -54,7 +54,7 @@ class DiffusionIn(Request):
     num_images: int = Field(1, ge=1, le=MAX_IMAGES)
     steps: int = Field(DEFAULT_STEPS, ge=1, le=MAX_STEPS)
     guidance_scale: float = Field(DEFAULT_GUIDANCE_SCALE, ge=0, le=MAX_GUIDANCE_SCALE, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     scheduler: str = ""
     eta: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
     preview_every: int = Field(0, ge=0, le=MAX_STEPS)
@@ -151,6 +151,13 @@ class Diffusion:
         async with contextlib.aclosing(self._events(request)) as events:
             async for event in events:
                 yield event
+
+    async def image_size(self) -> tuple[int, int]:
+        """(width, height) of the images this pipeline makes: its latent size times the VAE's downsampling
+        (a deployment-handle method for the HTTP API, not an RPC)."""
+        _, height, width = self.pipe.latent_shape
+        factor = await self._decoder().downsample_factor.remote()
+        return width * factor, height * factor
 
     @unary(health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse)
     async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:

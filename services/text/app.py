@@ -7,6 +7,7 @@ protobuf; streaming sends every delta as the engine produces it. Errors become s
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,7 +27,7 @@ from services.common.builder import build_app
 from services.common.errors import InvalidArgument
 from services.common.metrics import ServiceMetrics
 from services.common.rpc import streaming, unary, unknown_rpcs
-from services.common.validation import Request, parse, resolve_seed
+from services.common.validation import MAX_SEED, Request, parse, resolve_seed
 from services.text.engine import AsyncLLMEngine, Delta, EngineOverloaded, PromptTooLong, SamplingParams
 from services.text.settings import TextArgs
 from services.text.tokenizer import NoChatTemplate
@@ -41,6 +42,7 @@ MAX_STOPS = 4
 MAX_STOP_CHARS = 64
 MAX_TOP_K = 1000
 MAX_LOGPROBS = 5
+MAX_GRAMMAR_CHARS = 16_384
 DEFAULT_MAX_TOKENS = 64
 DEFAULT_TEMPERATURE = 1.0
 
@@ -68,13 +70,15 @@ class TextIn(Request):
     temperature: float = Field(DEFAULT_TEMPERATURE, ge=0, le=2, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     top_k: int = Field(0, ge=0, le=MAX_TOP_K)
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOPS)
     min_p: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
     repetition_penalty: float = Field(1.0, gt=0, le=10, allow_inf_nan=False)
     presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
     logprobs: int = Field(0, ge=0, le=MAX_LOGPROBS)
+    json_schema: str = Field("", max_length=MAX_GRAMMAR_CHARS)
+    regex: str = Field("", max_length=MAX_GRAMMAR_CHARS)
 
     @field_validator("prompt")
     @classmethod
@@ -87,6 +91,25 @@ class TextIn(Request):
         if any(not s or len(s) > MAX_STOP_CHARS for s in stop):
             raise ValueError(f"each stop string must have 1..{MAX_STOP_CHARS} characters")
         return stop
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_is_an_object(cls, schema: str) -> str:
+        if schema:
+            try:
+                document = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not valid JSON ({exc.msg})") from None
+            if not isinstance(document, dict):
+                raise ValueError("must be a JSON object (a JSON Schema document)")
+        return schema
+
+    @field_validator("regex")
+    @classmethod
+    def _one_grammar(cls, regex: str, info: ValidationInfo) -> str:
+        if regex and info.data.get("json_schema"):
+            raise ValueError("give at most one of json_schema and regex")
+        return regex
 
     def sampling_params(self, room: int) -> SamplingParams:
         """`room`: tokens left in the context after the prompt; an unset max_tokens takes min(default, room)."""
@@ -152,6 +175,9 @@ class TextGeneration:
 
     def _prepare(self, request: text_pb2.TextRequest) -> tuple[list[int], SamplingParams]:
         req = parse(TextIn, request)
+        if req.json_schema or req.regex:
+            field = "json_schema" if req.json_schema else "regex"
+            raise InvalidArgument(field, "structured outputs are not supported by this text engine")
         prompt_ids = self._prompt_ids(req.prompt, req.messages)
         if not prompt_ids:
             raise InvalidArgument("prompt", "encodes to no tokens")
@@ -208,6 +234,12 @@ class TextGeneration:
         self.metrics.kv_free_blocks(info["kv_blocks_free"])
         fields = text_pb2.ModelInfo.DESCRIPTOR.fields_by_name
         return text_pb2.ModelInfo(**{k: v for k, v in info.items() if k in fields})
+
+    def token_texts(self, token_ids: list[int]) -> dict[int, str]:
+        """Each token's text decoded on its own, as Tokenize's `tokens` (a deployment-handle method for the HTTP
+        API's logprobs, not an RPC)."""
+        decode = self.engine.tokenizer.decode
+        return {i: decode([i], skip_special_tokens=False) for i in token_ids}
 
     def check_health(self) -> None:
         """Ray Serve's replica health check: a failed engine loop gets the replica replaced."""

@@ -127,6 +127,10 @@ class Vae:
         self.metrics.images("Reconstruct", images.shape[0])
         return images_response(images, seed=0)
 
+    def downsample_factor(self) -> int:
+        """Image pixels per latent cell along each side (a deployment-handle method, not an RPC)."""
+        return self.vae.config.downsample_factor
+
     @unary(health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse)
     async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
         return health.check(request, SERVICE, serving=True)

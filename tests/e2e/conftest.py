@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEMO_TEXT_MODEL = ROOT / "services" / "text" / "weights"
 START_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 30.0
+METRICS_INTERVAL_MS = 1000
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class Stack:
     grpc_port: int
     health_port: int
     log: Path
+    http_port: int
+    metrics_port: int
 
     @property
     def address(self) -> str:
@@ -44,6 +47,19 @@ class Stack:
     @property
     def health_address(self) -> str:
         return f"127.0.0.1:{self.health_port}"
+
+    @property
+    def http_url(self) -> str:
+        """The OpenAI-compatible API's base URL (what the openai SDK takes as base_url)."""
+        return f"http://127.0.0.1:{self.http_port}/v1"
+
+    def metric(self, name: str) -> float:
+        """The sum over replicas of a Prometheus series, e.g. `ray_genserve_diffusion_steps_total` (0 if absent)."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as response:
+            lines = response.read().decode().splitlines()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
 
 
 def _port_free(port: int) -> bool:
@@ -103,11 +119,13 @@ def serving(base: int, log: Path, *options: str) -> Iterator[Stack]:
         "--health-port", str(ports["health"]), "--http-port", str(ports["http"]),
         "--metrics-port", str(ports["metrics"]), "--timeout", str(START_TIMEOUT_S - 20), *options,
     ]
+    # Metrics every second (Ray's default is 10 s), so a test can watch a counter stop.
+    env = {**os.environ, "RAY_metrics_report_interval_ms": str(METRICS_INTERVAL_MS)}
     with log.open("w") as out:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         _wait_ready(process, log)
-        yield Stack(ports["grpc"], ports["health"], log)
+        yield Stack(ports["grpc"], ports["health"], log, ports["http"], ports["metrics"])
     finally:
         _stop(process)
 

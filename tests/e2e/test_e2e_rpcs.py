@@ -135,7 +135,7 @@ def test_diffusion_stream_reports_every_step_then_the_images(client: Client) -> 
 
 def test_status_lists_every_app_running(client: Client) -> None:
     apps = {app.name: app for app in client.status().apps}
-    assert set(apps) == {"text", "gan", "vae", "diffusion", "health"}
+    assert set(apps) == {"text", "gan", "vae", "diffusion", "health", "http"}
     assert all(app.status == "RUNNING" and app.replicas.get("RUNNING", 0) >= 1 for app in apps.values())
 
 

@@ -1,13 +1,16 @@
-"""Mixed gRPC load on the four genserve applications (locust 2.47; run it through `make load`).
+"""Mixed load on the four genserve applications over gRPC, and on the OpenAI-compatible HTTP API (locust 2.47; run
+it through `make load`).
 
 One locust User per application, weighted like a realistic mix: text (unary and streaming), GAN samples,
-VAE reconstructions and a few diffusion generations. Every call goes through `LocustInterceptor`, which fires
+VAE reconstructions and a few diffusion generations over gRPC; and `OpenAIUser`, streamed chats and images over
+HTTP (the API on Serve's HTTP proxy: `--host`'s port - 1000, or GENSERVE_LOAD_HTTP_URL). Every gRPC call goes
+through `LocustInterceptor`, which fires
 `events.request` with the RPC's latency: streaming RPCs fire once at the first message (time to first token) and
 once at the end (total). RESOURCE_EXHAUSTED is the server shedding load on purpose, so it is recorded under the
 RPC's name plus `SHED_SUFFIX`, apart from real failures; every failure's message is its gRPC status code name.
 
 Knobs (environment): GENSERVE_LOAD_THINK_S (mean think time per user, 0 = back-to-back),
-GENSERVE_LOAD_WEIGHTS (user mix, default "text=4,gan=2,vae=2,diffusion=1"), GENSERVE_LOAD_MAX_TOKENS,
+GENSERVE_LOAD_WEIGHTS (user mix, default "text=4,gan=2,vae=2,diffusion=1,http=2"), GENSERVE_LOAD_MAX_TOKENS,
 GENSERVE_LOAD_DIFFUSION_STEPS, GENSERVE_LOAD_DEADLINE_S, and GENSERVE_LOAD_LOG: a file that receives one JSON line
 per request event ({"t", "name", "ms", "code"}), which `python -m tests.load.run` turns into docs/load.md.
 """
@@ -28,6 +31,7 @@ from collections.abc import Callable, Iterator  # noqa: E402
 
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
+import requests  # noqa: E402
 from genserve.v1 import (  # noqa: E402
     common_pb2,
     diffusion_pb2,
@@ -51,7 +55,7 @@ THINK_S = float(os.environ.get("GENSERVE_LOAD_THINK_S", "1.0"))
 MAX_TOKENS = int(os.environ.get("GENSERVE_LOAD_MAX_TOKENS", "16"))
 DIFFUSION_STEPS = int(os.environ.get("GENSERVE_LOAD_DIFFUSION_STEPS", "4"))
 DEADLINE_S = float(os.environ.get("GENSERVE_LOAD_DEADLINE_S", "60"))
-WEIGHTS = {"text": 4, "gan": 2, "vae": 2, "diffusion": 1} | {
+WEIGHTS = {"text": 4, "gan": 2, "vae": 2, "diffusion": 1, "http": 2} | {
     app: int(weight)
     for app, weight in (
         item.split("=") for item in os.environ.get("GENSERVE_LOAD_WEIGHTS", "").split(",") if item.strip()
@@ -136,11 +140,22 @@ class LocustInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClient
             self._fire(name, start, length, None)
 
 
+class HttpStatusError(Exception):
+    """A failed HTTP call; 429 is the server shedding load, recorded like gRPC's RESOURCE_EXHAUSTED."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(f"HTTP {status}")
+        self.code = "RESOURCE_EXHAUSTED" if status == 429 else f"HTTP_{status}"
+
+
 def status_code(exception: BaseException | None) -> str:
-    """'OK', a gRPC status code name, or the exception's type for anything that is not an RPC error."""
+    """'OK', a gRPC status code name (HTTP: 429 as RESOURCE_EXHAUSTED, else HTTP_<status>), or the exception's
+    type for anything else."""
     if exception is None:
         return "OK"
-    return exception.code.name if isinstance(exception, GrpcStatusError) else type(exception).__name__
+    if isinstance(exception, GrpcStatusError):
+        return exception.code.name
+    return exception.code if isinstance(exception, HttpStatusError) else type(exception).__name__
 
 
 @events.init.add_listener
@@ -272,3 +287,66 @@ class DiffusionUser(GenserveUser):
             scheduler="ddim",
         )
         self.call(self.stub.Generate, request)
+
+
+def http_url(host: str) -> str:
+    """The OpenAI-compatible API next to the gRPC proxy at `host` (its HTTP port is the gRPC port - 1000)."""
+    if os.environ.get("GENSERVE_LOAD_HTTP_URL"):
+        return os.environ["GENSERVE_LOAD_HTTP_URL"]
+    name, port = host.rsplit(":", 1)
+    return f"http://{name}:{int(port) - 1000}/v1"
+
+
+class OpenAIUser(User):
+    """The HTTP API: streamed chats (first token and whole answer, like GenerateStream) and image generations."""
+
+    weight = WEIGHTS["http"]
+    host = DEFAULT_HOST
+    wait_time = between(0.5 * THINK_S, 1.5 * THINK_S) if THINK_S > 0 else constant(0)
+
+    def on_start(self) -> None:
+        self.url = http_url(self.host)
+        self.session = requests.Session()
+
+    def on_stop(self) -> None:
+        self.session.close()
+
+    def _fire(self, name: str, start: float, length: int, status: int) -> None:
+        exception = None if status == 200 else HttpStatusError(status)
+        if status == 429:
+            name += SHED_SUFFIX
+        self.environment.events.request.fire(
+            request_type="http", name=name, response_time=(time.perf_counter() - start) * 1000.0,
+            response_length=length, exception=exception, context={},
+        )
+
+    @task(3)
+    def chat_stream(self) -> None:
+        name, start, length, first = "HTTP chat.completions (stream)", time.perf_counter(), 0, True
+        body = {"model": "text", "messages": [{"role": "user", "content": random.choice(PROMPTS)}],
+                "max_tokens": MAX_TOKENS, "temperature": 0.8, "top_p": 0.95, "seed": random.randrange(2**31),
+                "stream": True}
+        try:
+            with self.session.post(f"{self.url}/chat/completions", json=body, stream=True,
+                                   timeout=DEADLINE_S) as response:
+                if response.status_code != 200:
+                    return self._fire(name, start, 0, response.status_code)
+                for line in response.iter_lines():
+                    if first and b'"content":"' in line and b'"content":""' not in line:  # past the role chunk
+                        self._fire(name + FIRST_SUFFIX, start, len(line), 200)
+                        first = False
+                    length += len(line)
+        except requests.RequestException:
+            return self._fire(name, start, length, 599)
+        self._fire(name, start, length, 200)
+
+    @task(1)
+    def images(self) -> None:
+        name, start = "HTTP images.generations", time.perf_counter()
+        body = {"model": "diffusion", "prompt": random.choice(CAPTIONS), "n": 1, "steps": DIFFUSION_STEPS,
+                "seed": random.randrange(2**31)}
+        try:
+            response = self.session.post(f"{self.url}/images/generations", json=body, timeout=DEADLINE_S)
+        except requests.RequestException:
+            return self._fire(name, start, 0, 599)
+        self._fire(name, start, len(response.content), response.status_code)

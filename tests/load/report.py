@@ -310,7 +310,8 @@ def render_run(run: LoadRun, image_dir: Path) -> list[str]:
             f"| {row.name} | {row.ok} | {row.rps:.2f} | {_ms(row.p50)} | {_ms(row.p95)} | {_ms(row.p99)} "
             f"| {row.failed} | {row.shed} | {_ms(row.shed_p50)} | {_ms(row.shed_p99)} |"
         )
-    lines += ["", "Answers other than OK, by gRPC status code:", ""]
+    lines += ["", "Answers other than OK, by gRPC status code (HTTP: 429 as RESOURCE_EXHAUSTED, else HTTP_<status>):",
+              ""]
     failures = run.failures_by_code()
     if failures:
         lines += ["| code | count | RPCs |", "|---|---:|---|"]
@@ -349,6 +350,10 @@ def render_markdown(runs: list[LoadRun], invocation: str, image_dir: Path, model
         "queue (`max_queued_requests`) is full. Under overload the proxy, the replicas and locust itself share the two",
         "cores, so a refusal still waits for a core; the check is therefore relative: refusals must come back faster",
         "than the median served request of the same RPC (they did not queue), and nothing may time out or fail.",
+        "",
+        "Both protocols run side by side: the gRPC users call each application through the gRPC proxy; the `HTTP`",
+        "rows are `OpenAIUser`, the OpenAI-compatible API on Serve's HTTP proxy (streamed chat, images), whose 429",
+        "answers count as RESOURCE_EXHAUSTED.",
         "",
         "Checkpoints served: " + ", ".join(f"{app} {source}" for app, source in models.items()) + ".",
         "",

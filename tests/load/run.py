@@ -1,4 +1,5 @@
-"""`make load`: headless locust over gRPC against the local CPU stack, replica counts sampled, docs/load.md written.
+"""`make load`: headless locust over gRPC and HTTP against the local CPU stack, replica counts sampled, docs/load.md
+written.
 
     .venv/bin/python -m tests.load.run                      # starts its own stack on 9200 (never 9000/9100)
     .venv/bin/python -m tests.load.run --target 127.0.0.1:9000   # against a running `make serve`
@@ -67,10 +68,10 @@ class Scenario:
 SCENARIOS = {
     # Realistic requests (48 new tokens, 20 denoising steps): long enough that text and diffusion replicas
     # exceed their target_ongoing_requests and the autoscaler adds a replica.
-    "mixed": Scenario("mixed", 16, 4, 60, 0.5, "text=4,gan=2,vae=2,diffusion=2", 48, 20, 40),
+    "mixed": Scenario("mixed", 16, 4, 60, 0.5, "text=4,gan=2,vae=2,diffusion=2,http=3", 48, 20, 40),
     # 16 diffusion users, more than 2 replicas x max_ongoing_requests + max_queued_requests (12) admit; the other
     # apps keep a light load to show they are unaffected.
-    "overload": Scenario("overload", 28, 14, 30, 0.5, "text=1,gan=1,vae=1,diffusion=4", 48, 20, 30),
+    "overload": Scenario("overload", 28, 14, 30, 0.5, "text=1,gan=1,vae=1,diffusion=4,http=1", 48, 20, 30),
 }
 
 

@@ -5,12 +5,14 @@ locust needs gevent-patched gRPC, so it runs in its own process; its request log
 
 from __future__ import annotations
 
+import http.server
 import io
 import json
 import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent import futures
 from pathlib import Path
@@ -72,6 +74,41 @@ class _Diffusion(diffusion_pb2_grpc.DiffusionServicer):
         return common_pb2.ImagesResponse()
 
 
+class _OpenAI(http.server.BaseHTTPRequestHandler):
+    """The HTTP API's stand-in: chat streams the role chunk, then three content chunks 20 ms apart; images are shed
+    with 429."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        if self.path == "/v1/images/generations":
+            self.send_response(429)
+            self.send_header("retry-after", "1")
+            self.end_headers()
+            return
+        assert self.path == "/v1/chat/completions" and body["stream"] and body["model"] == "text"
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.end_headers()
+        self.wfile.write(b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n')
+        for _ in range(3):
+            time.sleep(0.02)
+            self.wfile.write(b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n')
+            self.wfile.flush()
+        self.wfile.write(b"data: [DONE]\n\n")
+
+
+@pytest.fixture
+def http_stand_in() -> str:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OpenAI)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+
+
 @pytest.fixture
 def stand_in() -> str:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
@@ -85,15 +122,16 @@ def stand_in() -> str:
     server.stop(grace=None)
 
 
-def test_locust_records_every_rpc_stream_timing_and_shedding(stand_in: str, tmp_path: Path) -> None:
+def test_locust_records_every_rpc_stream_timing_and_shedding(stand_in: str, http_stand_in: str,
+                                                              tmp_path: Path) -> None:
     log = tmp_path / "requests.jsonl"
     env = os.environ | {
         "GENSERVE_LOAD_LOG": str(log), "GENSERVE_LOAD_THINK_S": "0.05", "GENSERVE_LOAD_DIFFUSION_STEPS": str(STEPS),
-        "GENSERVE_LOAD_WEIGHTS": "text=1,gan=1,vae=1,diffusion=1",
+        "GENSERVE_LOAD_WEIGHTS": "text=1,gan=1,vae=1,diffusion=1,http=1", "GENSERVE_LOAD_HTTP_URL": http_stand_in,
     }
     command = [
         "timeout", "-k", "5", "60", str(Path(sys.executable).parent / "locust"), "-f", str(LOCUSTFILE),
-        "--headless", "-u", "4", "-r", "4", "--run-time", "3s", "--host", stand_in, "--only-summary",
+        "--headless", "-u", "5", "-r", "5", "--run-time", "3s", "--host", stand_in, "--only-summary",
     ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=90)
     assert result.returncode in (0, 1), result.stderr[-2000:]  # 1: locust saw failures (the shed Sample calls)
@@ -106,8 +144,12 @@ def test_locust_records_every_rpc_stream_timing_and_shedding(stand_in: str, tmp_
         ("ImageGan/Sample [shed]", "RESOURCE_EXHAUSTED"),
         ("Vae/Reconstruct", "OK"),
         ("Diffusion/Generate", "OK"),
+        ("HTTP chat.completions (stream)", "OK"),
+        ("HTTP chat.completions (stream) [first]", "OK"),
+        ("HTTP images.generations [shed]", "RESOURCE_EXHAUSTED"),
     }
-    first = [e["ms"] for e in events if e["name"].endswith("[first]")]
-    total = [e["ms"] for e in events if e["name"] == "TextGeneration/GenerateStream"]
-    # Three chunks 20 ms apart: the total covers all of them, the first-chunk event only the first.
-    assert min(total) >= 40 and statistics.median(first) < statistics.median(total), (first, total)
+    for stream in ("TextGeneration/GenerateStream", "HTTP chat.completions (stream)"):
+        first = [e["ms"] for e in events if e["name"] == f"{stream} [first]"]
+        total = [e["ms"] for e in events if e["name"] == stream]
+        # Three chunks 20 ms apart: the total covers all of them, the first-chunk event only the first.
+        assert min(total) >= 40 and statistics.median(first) < statistics.median(total), (stream, first, total)

@@ -69,6 +69,16 @@ def test_prometheus_scrapes_the_port_ray_exports_metrics_on(root: Path, compose:
         assert int(group["rayStartParams"]["metrics-export-port"]) == worker_sd["port"]
 
 
+def test_http_port_is_the_same_everywhere(root: Path, compose: dict, gpu_serve_config: dict,
+                                          rayservice: dict) -> None:
+    http_port = gpu_serve_config["http_options"]["port"]
+    service_ports = {p["name"]: p["port"] for p in rayservice["spec"]["serveService"]["spec"]["ports"]}
+    assert service_ports["http"] == http_port
+    assert http_port in _container_ports(compose, "ray-head")
+    http_app = next(app for app in gpu_serve_config["applications"] if app["name"] == "http")
+    assert http_app["route_prefix"] == "/"
+
+
 def test_health_port_matches_the_health_app(gpu_serve_config: dict, rayservice: dict) -> None:
     service_ports = {p["name"]: p["port"] for p in rayservice["spec"]["serveService"]["spec"]["ports"]}
     assert service_ports["grpc-health"] == _health_port(gpu_serve_config)

@@ -1,0 +1,281 @@
+"""The `http` application: an OpenAI-compatible HTTP API on Ray Serve's HTTP proxy, as a FastAPI ingress.
+
+    GET  /v1/models                 the served generative models: `text` and `diffusion`
+    POST /v1/completions            text completions, unary or streamed (server-sent events ending in [DONE])
+    POST /v1/chat/completions       chat (the text service applies the model's chat template), unary or streamed
+    POST /v1/images/generations     text-to-image, PNGs as b64_json
+    GET  /openapi.json              the schema of all of these (what schemathesis fuzzes)
+
+It loads no model: it reaches the `text` and `diffusion` applications through deployment handles with the same
+protobuf requests a gRPC client sends, so validation and limits are theirs, and the latents still go through `vae`.
+A client that disconnects cancels its handle calls: the text engine aborts the request (its KV blocks are freed)
+and the diffusion loop stops at its next step. Errors are OpenAI error objects (services/http/errors.py).
+"""
+
+# No `from __future__ import annotations` here: FastAPI reads the routes' parameter types at runtime (through
+# serve.ingress), and string annotations would turn the bodies into query parameters.
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from genserve.v1 import text_pb2
+from pydantic import BaseModel
+from ray import serve
+from ray.serve.deployment import Application
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services.common.builder import handle_to
+from services.common.errors import field_path
+from services.common.ray_adapter import serve_request_id
+from services.diffusion.app import Diffusion
+from services.http import images, text
+from services.http.errors import ModelNotFound, describe, error_body, error_response, to_error
+from services.http.schemas import MAX_BODY_BYTES, ChatBody, CompletionBody, ImageBody
+from services.http.streams import merge
+from services.text.app import TextGeneration
+
+logger = logging.getLogger("ray.serve")
+TEXT_MODEL, IMAGE_MODEL = "text", "diffusion"
+UNION_TAGS = {"str", "int", "float", "bool", "list", "dict"}
+TEXT_ERRORS = TextGeneration.func_or_class.known_errors
+IMAGE_ERRORS = Diffusion.func_or_class.known_errors
+
+
+class ErrorObject(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorObject
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody, "description": what}
+    for status, what in ((400, "a field is wrong (`param` names it)"), (404, "unknown model"),
+                         (413, "body too large"), (429, "overloaded; see Retry-After"), (500, "internal error"))
+}
+
+
+class BodyLimit:
+    """413 for a body over MAX_BODY_BYTES, before anything parses it (chunked bodies are counted as they come)."""
+
+    def __init__(self, app: ASGIApp, limit: int = MAX_BODY_BYTES):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        chunks, size = [], int(declared) if declared.isdigit() else 0
+        if size <= self.limit:
+            size = 0
+            while True:
+                message = await receive()
+                chunks.append(message.get("body", b""))
+                size += len(chunks[-1])
+                if message["type"] != "http.request" or not message.get("more_body") or size > self.limit:
+                    break
+        if size > self.limit:
+            too_large = error_response(413, f"the body is over {self.limit} bytes", code="request_too_large")
+            return await too_large(scope, receive, send)
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # later reads wait for the client's disconnect
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+api = FastAPI(title="genserve OpenAI-compatible API", version="1",
+              description="Completions, chat and image generation on the genserve stack (docs/protocol.md).",
+              docs_url=None, redoc_url=None)
+api.add_middleware(BodyLimit)
+
+
+def _request_id() -> str:
+    return serve_request_id() or uuid.uuid4().hex
+
+
+def _field_loc(loc: tuple) -> tuple:
+    """pydantic's error location without the tags it adds for union members (`prompt.str`, `list[str]`)."""
+    return tuple(part for part in loc if isinstance(part, int)
+                 or (part.isidentifier() and part.islower() and part not in UNION_TAGS))
+
+
+@api.exception_handler(RequestValidationError)
+async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0]
+    loc = tuple(first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        return error_response(400, f"the body is not valid JSON: {first.get('msg', '')}", code="json_invalid")
+    path = field_path(_field_loc(loc[1:])) if loc[:1] == ("body",) and len(loc) > 1 else None
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return error_response(400, f"{path}: {message}" if path else message, path, code=first.get("type"))
+
+
+@api.exception_handler(HTTPException)
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    code = "unknown_url" if exc.status_code == 404 else None
+    return JSONResponse(error_body(exc.status_code, str(exc.detail), code=code), status_code=exc.status_code)
+
+
+def _model_entry(model_id: str, created: int, root: str) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "genserve", "root": root}
+
+
+@serve.deployment(name="OpenAIApi")
+@serve.ingress(api)
+class OpenAIApi:
+    def __init__(self) -> None:
+        self.created = int(time.time())
+        self._handles: dict[str, Any] = {}
+        self._image_size: tuple[int, int] | None = None
+
+    def _handle(self, app: str) -> Any:
+        if app not in self._handles:
+            self._handles[app] = handle_to(app)
+        return self._handles[app]
+
+    async def _respond(self, work: Awaitable[Response], fields: Mapping[str, str], known: Mapping) -> Response:
+        """`work`'s response, or the OpenAI error for what it raised."""
+        request_id = _request_id()
+        try:
+            return await work
+        except Exception as exc:
+            response = to_error(exc, request_id, fields, known)
+            if response.status_code >= 500:
+                logger.exception("HTTP request failed (request id %s)", request_id)
+            return response
+
+    @api.get("/v1/models", responses=ERRORS)
+    async def models(self) -> dict[str, Any]:
+        info = await self._handle("text").GetModelInfo.remote(text_pb2.ModelInfoRequest())
+        return {"object": "list", "data": [_model_entry(TEXT_MODEL, self.created, info.model_name),
+                                           _model_entry(IMAGE_MODEL, self.created, IMAGE_MODEL)]}
+
+    @api.post("/v1/completions", responses=ERRORS)
+    async def completions(self, body: CompletionBody) -> Response:
+        return await self._respond(self._text(body, chat=False), text.body_fields(body), TEXT_ERRORS)
+
+    @api.post("/v1/chat/completions", responses=ERRORS)
+    async def chat_completions(self, body: ChatBody) -> Response:
+        return await self._respond(self._text(body, chat=True), text.body_fields(body), TEXT_ERRORS)
+
+    @api.post("/v1/images/generations", responses=ERRORS)
+    async def images_generations(self, body: ImageBody) -> Response:
+        return await self._respond(self._images(body), images.FIELDS, IMAGE_ERRORS)
+
+    # ---- text ---------------------------------------------------------------------------------------------
+    async def _text(self, body: ChatBody | CompletionBody, chat: bool) -> Response:
+        if body.model != TEXT_MODEL:
+            raise ModelNotFound(body.model, "/v1/chat/completions" if chat else "/v1/completions")
+        job = text.chat_job(body) if chat else text.completion_job(body)
+        if body.stream:
+            return await self._text_stream(body, job, chat)
+        return await self._text_unary(body, job, chat)
+
+    async def _token_texts(self, job: text.TextJob, logprobs: list) -> dict[int, str]:
+        if job.top_logprobs is None:
+            return {}
+        return await self._handle("text").token_texts.remote(sorted(text.logprob_ids(logprobs)))
+
+    async def _text_unary(self, body: ChatBody | CompletionBody, job: text.TextJob, chat: bool) -> Response:
+        responses = [self._handle("text").Generate.remote(r) for r in job.requests]
+        try:
+            replies = [await r for r in responses]
+        except BaseException:
+            for r in responses:
+                r.cancel()
+            raise
+        texts = await self._token_texts(job, [lp for r in replies for lp in r.logprobs])
+        reply = text.chat_reply if chat else text.completion_reply
+        return JSONResponse(reply(body.model, job, replies, texts))
+
+    async def _prompt_tokens(self, job: text.TextJob) -> int:
+        """The prompt tokens of the body's prompts, for a stream's usage (its chunks carry no prompt count)."""
+        handle = self._handle("text")
+        requests = [text_pb2.TokenizeRequest(text=r.prompt, messages=r.messages) for r in job.requests[:: job.n]]
+        replies = await asyncio.gather(*(handle.Tokenize.remote(r) for r in requests))
+        return sum(len(r.token_ids) for r in replies)
+
+    async def _text_stream(self, body: ChatBody | CompletionBody, job: text.TextJob, chat: bool) -> Response:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        writer = text.ChunkWriter(chat, body.model, job, include_usage)
+        handle = self._handle("text").options(stream=True)
+        streams = [handle.GenerateStream.remote(r) for r in job.requests]
+        chunks = merge(streams)
+        counted: asyncio.Future | None = None
+
+        def stop() -> None:
+            for s in streams:
+                s.cancel()
+            if counted is not None:
+                counted.cancel()
+
+        try:  # the first chunk before the headers: an error up to here gets its own status
+            first = await anext(chunks)
+        except BaseException:
+            stop()
+            await chunks.aclose()
+            raise
+        if include_usage:  # counted while the rest is generated, not beside the prefill
+            counted = asyncio.ensure_future(self._prompt_tokens(job))
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                for role in writer.roles():
+                    yield text.sse(role)
+                item: tuple[int, text_pb2.TextChunk] | None = first
+                while item is not None:
+                    index, chunk = item
+                    yield text.sse(writer.chunk(index, chunk, await self._token_texts(job, list(chunk.logprobs))))
+                    item = await anext(chunks, None)
+                if counted is not None:
+                    yield text.sse(writer.usage_chunk(await counted))
+                yield text.sse("[DONE]")
+            except Exception as exc:  # after the headers: the error goes in the stream, as OpenAI does
+                request_id = _request_id()
+                status, error = describe(exc, request_id, text.body_fields(body), TEXT_ERRORS)
+                if status >= 500:
+                    logger.exception("HTTP stream failed (request id %s)", request_id)
+                yield text.sse(error)
+            finally:
+                stop()
+                await chunks.aclose()
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    # ---- images -------------------------------------------------------------------------------------------
+    async def _images(self, body: ImageBody) -> Response:
+        if body.model not in (None, IMAGE_MODEL):
+            raise ModelNotFound(body.model, "/v1/images/generations")
+        if self._image_size is None:
+            self._image_size = tuple(await self._handle("diffusion").image_size.remote())
+        request = images.diffusion_request(body, self._image_size)
+        response = self._handle("diffusion").Generate.remote(request)
+        try:
+            reply = await response
+        except BaseException:
+            response.cancel()
+            raise
+        return JSONResponse(images.images_reply(reply))
+
+
+def build(args: dict[str, Any] | None = None) -> Application:
+    if args:
+        raise ValueError(f"the http app takes no args, got {sorted(args)}")
+    return OpenAIApi.bind()

@@ -1,0 +1,116 @@
+"""The OpenAI request bodies as the HTTP API accepts them (and as its OpenAPI schema publishes them).
+
+These models check only the wire types: strict, so `"temperature": "0.5"` is a 400 as it is at OpenAI, and
+unknown keys are ignored as OpenAI ignores them. The value limits are the gRPC handlers' own (TextIn and DiffusionIn
+in services/text/app.py and services/diffusion/app.py): the ingress maps a body onto those and validates there, so
+there is one set of limits. Only what gRPC has no counterpart for is limited here: `n` and the body size.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.diffusion.app import DiffusionIn
+from services.diffusion.schedulers import SCHEDULERS
+from services.text.app import TextIn
+
+# Choices per request: completions multiply it by the number of prompts.
+MAX_CHOICES = 8
+# Larger bodies get 413 before they are parsed (a full 64-message conversation is far below).
+MAX_BODY_BYTES = 1 << 20
+
+
+# The JSON Schema keywords of pydantic's numeric constraints.
+BOUNDS = {"ge": "minimum", "gt": "exclusiveMinimum", "le": "maximum", "lt": "exclusiveMaximum"}
+
+
+def bounds(schema: type[BaseModel], field: str, **extra: Any) -> Any:
+    """A Field whose published schema carries the bounds of `schema`'s `field` (TextIn or DiffusionIn): the limits
+    are documented where they are enforced, and not enforced twice."""
+    published = {key: getattr(m, attr) for m in schema.model_fields[field].metadata
+                 for attr, key in BOUNDS.items() if getattr(m, attr, None) is not None}
+    return Field(None, json_schema_extra={**published, **extra})
+
+
+def served(model: str) -> Any:
+    """The `model` field: any string is read (others get 404), the schema names the one served."""
+    return Field(json_schema_extra={"enum": [model]})
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+class StreamOptions(Body):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(Body):
+    name: str = "output"
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class TextPart(Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Body):
+    # "developer" is OpenAI's newer name for the system role.
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class Sampling(Body):
+    """The fields completions and chat share."""
+
+    model: str = served("text")
+    max_tokens: int | None = bounds(TextIn, "max_tokens")
+    temperature: float | None = bounds(TextIn, "temperature")
+    top_p: float | None = bounds(TextIn, "top_p")
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
+    stop: str | list[str] | None = None
+    seed: int | None = bounds(TextIn, "seed")
+    presence_penalty: float | None = bounds(TextIn, "presence_penalty")
+    frequency_penalty: float | None = bounds(TextIn, "frequency_penalty")
+    user: str | None = None
+    response_format: ResponseFormat | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class CompletionBody(Sampling):
+    prompt: str | list[str]
+    # The number of alternatives to return with each token (OpenAI's legacy completions).
+    logprobs: int | None = bounds(TextIn, "logprobs")
+
+
+class ChatBody(Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = bounds(TextIn, "max_tokens")
+    logprobs: bool = False
+    top_logprobs: int | None = bounds(TextIn, "logprobs")
+
+
+class ImageBody(Body):
+    prompt: str
+    model: str | None = Field(None, json_schema_extra={"enum": ["diffusion"]})
+    n: int | None = bounds(DiffusionIn, "num_images")
+    size: str | None = None
+    response_format: Literal["b64_json", "url"] = "b64_json"
+    seed: int | None = bounds(DiffusionIn, "seed")
+    user: str | None = None
+    # genserve's extras (the OpenAI SDK sends them with `extra_body`).
+    negative_prompt: str | None = None
+    steps: int | None = bounds(DiffusionIn, "steps")
+    guidance_scale: float | None = bounds(DiffusionIn, "guidance_scale")
+    scheduler: str | None = Field(None, json_schema_extra={"enum": list(SCHEDULERS)})
