@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from ray.exceptions import RayTaskError
 from ray.serve.exceptions import BackPressureError
 
-from services.common.errors import InvalidArgument, NotFound, Overloaded, field_path, to_status
+from services.common.errors import InvalidArgument, NotFound, field_path, to_status
 
 RETRY_AFTER_S = 1
 HTTP_STATUS = {
@@ -78,8 +78,8 @@ def describe(exc: BaseException, request_id: str, fields: Mapping[str, str] | No
     """(HTTP status, error object) for `exc` raised while serving a request, here or in a replica behind a
     handle; `known` is the called deployment's `known_errors`."""
     exc = unwrap(exc)
-    if isinstance(exc, BackPressureError):
-        exc = Overloaded("the service is at capacity, retry later")
+    if isinstance(exc, BackPressureError):  # Serve's queue for the deployment is full
+        return 429, error_body(429, "the service is at capacity, retry later")
     known = known or {}
     status = to_status(exc, request_id, known)
     http = HTTP_STATUS.get(status.code, 500)
