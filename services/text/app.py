@@ -160,6 +160,7 @@ class TextGeneration:
                 self.metrics.tokens(len(delta.token_ids))
                 yield delta
         self.metrics.kv_free_blocks(self.engine.kv_blocks_free)
+        self.metrics.prefix_cache(*self.engine.engine.prefix_cache_stats())
 
     @unary(text_pb2.TextRequest, text_pb2.TextResponse)
     async def Generate(self, request: text_pb2.TextRequest) -> text_pb2.TextResponse:
@@ -196,6 +197,7 @@ class TextGeneration:
     async def GetModelInfo(self, request: text_pb2.ModelInfoRequest) -> text_pb2.ModelInfo:
         info = self.engine.info()
         self.metrics.kv_free_blocks(info["kv_blocks_free"])
+        self.metrics.prefix_cache(*self.engine.engine.prefix_cache_stats())
         fields = text_pb2.ModelInfo.DESCRIPTOR.fields_by_name
         return text_pb2.ModelInfo(**{k: v for k, v in info.items() if k in fields})
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16genserve/v1/text.proto\x12\x0bgenserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xe5\x03\n\x0bTextRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.genserve.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\x05min_p\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\x05H\t\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.genserve.v1.TopLogprob\"\x98\x01\n\x0cTextResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.genserve.v1.TokenLogprob\x12\x0c\n\x04seed\x18\x06 \x01(\x03\"p\n\tTextChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.genserve.v1.TokenLogprob\"K\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.genserve.v1.ChatMessage\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x12\n\x10ModelInfoRequest\"\xc4\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x10\n\x08n_params\x18\x03 \x01(\x03\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x13\n\x0bmax_context\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x08 \x01(\x05\x12\x0e\n\x06runner\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x16\n\x0ekv_cache_bytes\x18\x0b \x01(\x03\x12\x12\n\nblock_size\x18\x0c \x01(\x05\x12\x1a\n\x12max_batched_tokens\x18\r \x01(\x05\x12\x13\n\x0bmax_running\x18\x0e \x01(\x05\x12\x15\n\rmax_lookahead\x18\x0f \x01(\x05\x32\xa7\x02\n\x0eTextGeneration\x12?\n\x08Generate\x12\x18.genserve.v1.TextRequest\x1a\x19.genserve.v1.TextResponse\x12\x44\n\x0eGenerateStream\x12\x18.genserve.v1.TextRequest\x1a\x16.genserve.v1.TextChunk0\x01\x12G\n\x08Tokenize\x12\x1c.genserve.v1.TokenizeRequest\x1a\x1d.genserve.v1.TokenizeResponse\x12\x45\n\x0cGetModelInfo\x12\x1d.genserve.v1.ModelInfoRequest\x1a\x16.genserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16genserve/v1/text.proto\x12\x0bgenserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x89\x04\n\x0bTextRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.genserve.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\x05min_p\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\x05H\t\x88\x01\x01\x12\x13\n\x0bjson_schema\x18\x0e \x01(\t\x12\r\n\x05regex\x18\x0f \x01(\tB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.genserve.v1.TopLogprob\"\x98\x01\n\x0cTextResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.genserve.v1.TokenLogprob\x12\x0c\n\x04seed\x18\x06 \x01(\x03\"p\n\tTextChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.genserve.v1.TokenLogprob\"K\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.genserve.v1.ChatMessage\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x12\n\x10ModelInfoRequest\"\xfd\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x10\n\x08n_params\x18\x03 \x01(\x03\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x13\n\x0bmax_context\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x08 \x01(\x05\x12\x0e\n\x06runner\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x16\n\x0ekv_cache_bytes\x18\x0b \x01(\x03\x12\x12\n\nblock_size\x18\x0c \x01(\x05\x12\x1a\n\x12max_batched_tokens\x18\r \x01(\x05\x12\x13\n\x0bmax_running\x18\x0e \x01(\x05\x12\x15\n\rmax_lookahead\x18\x0f \x01(\x05\x12\x16\n\x0eprefix_caching\x18\x10 \x01(\x08\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x11 \x01(\x03\x32\xa7\x02\n\x0eTextGeneration\x12?\n\x08Generate\x12\x18.genserve.v1.TextRequest\x1a\x19.genserve.v1.TextResponse\x12\x44\n\x0eGenerateStream\x12\x18.genserve.v1.TextRequest\x1a\x16.genserve.v1.TextChunk0\x01\x12G\n\x08Tokenize\x12\x1c.genserve.v1.TokenizeRequest\x1a\x1d.genserve.v1.TokenizeResponse\x12\x45\n\x0cGetModelInfo\x12\x1d.genserve.v1.ModelInfoRequest\x1a\x16.genserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,23 +34,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=39
   _globals['_CHATMESSAGE']._serialized_end=83
   _globals['_TEXTREQUEST']._serialized_start=86
-  _globals['_TEXTREQUEST']._serialized_end=571
-  _globals['_TOPLOGPROB']._serialized_start=573
-  _globals['_TOPLOGPROB']._serialized_end=620
-  _globals['_TOKENLOGPROB']._serialized_start=622
-  _globals['_TOKENLOGPROB']._serialized_end=709
-  _globals['_TEXTRESPONSE']._serialized_start=712
-  _globals['_TEXTRESPONSE']._serialized_end=864
-  _globals['_TEXTCHUNK']._serialized_start=866
-  _globals['_TEXTCHUNK']._serialized_end=978
-  _globals['_TOKENIZEREQUEST']._serialized_start=980
-  _globals['_TOKENIZEREQUEST']._serialized_end=1055
-  _globals['_TOKENIZERESPONSE']._serialized_start=1057
-  _globals['_TOKENIZERESPONSE']._serialized_end=1110
-  _globals['_MODELINFOREQUEST']._serialized_start=1112
-  _globals['_MODELINFOREQUEST']._serialized_end=1130
-  _globals['_MODELINFO']._serialized_start=1133
-  _globals['_MODELINFO']._serialized_end=1457
-  _globals['_TEXTGENERATION']._serialized_start=1460
-  _globals['_TEXTGENERATION']._serialized_end=1755
+  _globals['_TEXTREQUEST']._serialized_end=607
+  _globals['_TOPLOGPROB']._serialized_start=609
+  _globals['_TOPLOGPROB']._serialized_end=656
+  _globals['_TOKENLOGPROB']._serialized_start=658
+  _globals['_TOKENLOGPROB']._serialized_end=745
+  _globals['_TEXTRESPONSE']._serialized_start=748
+  _globals['_TEXTRESPONSE']._serialized_end=900
+  _globals['_TEXTCHUNK']._serialized_start=902
+  _globals['_TEXTCHUNK']._serialized_end=1014
+  _globals['_TOKENIZEREQUEST']._serialized_start=1016
+  _globals['_TOKENIZEREQUEST']._serialized_end=1091
+  _globals['_TOKENIZERESPONSE']._serialized_start=1093
+  _globals['_TOKENIZERESPONSE']._serialized_end=1146
+  _globals['_MODELINFOREQUEST']._serialized_start=1148
+  _globals['_MODELINFOREQUEST']._serialized_end=1166
+  _globals['_MODELINFO']._serialized_start=1169
+  _globals['_MODELINFO']._serialized_end=1550
+  _globals['_TEXTGENERATION']._serialized_start=1553
+  _globals['_TEXTGENERATION']._serialized_end=1848
 # @@protoc_insertion_point(module_scope)

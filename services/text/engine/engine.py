@@ -42,6 +42,8 @@ class EngineConfig:
     # the Python between two steps costs ~6% of a step at batch 1 on the bench model. 1: every token at once.
     max_lookahead: int = 8
     cuda_graphs: bool = True
+    # Automatic prefix caching (kv_cache.py): full blocks are shared across requests by the hash of their prefix.
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_batched_tokens", "max_running", "max_waiting", "max_lookahead"):
@@ -80,7 +82,7 @@ class LLMEngine:
             raise ValueError(f"the KV-cache budget holds no block of {per_block} bytes")
         self.kv_cache_bytes = num_blocks * per_block
         runner.allocate_kv_cache(num_blocks, config.block_size)
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.blocks = BlockManager(num_blocks, config.block_size, caching=config.prefix_caching)
         self.scheduler = Scheduler(self.blocks, SchedulerConfig(
             config.max_batched_tokens, config.max_running, config.max_waiting))
         self.eos_ids = frozenset(mc.eos_token_ids) | frozenset(getattr(tokenizer, "eos_token_ids", ()))
@@ -155,7 +157,13 @@ class LLMEngine:
             "max_batched_tokens": self.config.max_batched_tokens,
             "max_running": self.config.max_running,
             "max_lookahead": self.runner.max_steps(1),
+            "prefix_caching": self.blocks.caching,
+            "prefix_cache_hit_tokens": self.scheduler.hit_tokens,
         }
+
+    def prefix_cache_stats(self) -> tuple[int, int]:
+        """Tokens admitted with their K/V already cached, and tokens admitted, since start-up."""
+        return self.scheduler.hit_tokens, self.scheduler.queried_tokens
 
     # ---- stepping -------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -184,6 +192,7 @@ class LLMEngine:
                 if c.seq.finished:  # aborted while the model ran
                     continue
                 c.seq.num_computed = c.start + c.length
+                self.blocks.register(c.seq.request_id, c.seq.prompt_ids, c.seq.output_ids, c.seq.num_computed)
                 if c.sample:
                     deltas.append((c.seq, self._advance(c.seq, token, logprob)))
         for seq, delta in deltas:
@@ -220,6 +229,7 @@ class LLMEngine:
                     if c.seq.finished:  # aborted while the model ran, or finished by an earlier token
                         break
                     c.seq.num_computed = c.start + j + 1
+                    self.blocks.register(c.seq.request_id, c.seq.prompt_ids, c.seq.output_ids, c.seq.num_computed)
                     deltas.append((c.seq, self._advance(c.seq, token, None)))
         for seq, delta in deltas:
             seq.on_delta(delta)
