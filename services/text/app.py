@@ -7,6 +7,9 @@ protobuf; streaming sends every delta as the engine produces it. Errors become s
 from __future__ import annotations
 
 import contextlib
+import json
+import re
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,6 +31,7 @@ from services.common.metrics import ServiceMetrics
 from services.common.rpc import streaming, unary, unknown_rpcs
 from services.common.validation import Request, parse, resolve_seed
 from services.text.engine import AsyncLLMEngine, Delta, EngineOverloaded, PromptTooLong, SamplingParams
+from services.text.engine.params import InvalidJsonSchema, InvalidRegex
 from services.text.settings import TextArgs
 
 SERVICE = "genserve.v1.TextGeneration"
@@ -38,6 +42,8 @@ MAX_STOPS = 4
 MAX_STOP_CHARS = 64
 MAX_TOP_K = 1000
 MAX_LOGPROBS = 5
+MAX_SCHEMA_CHARS = 16_384
+MAX_REGEX_CHARS = 1_024
 DEFAULT_MAX_TOKENS = 64
 DEFAULT_TEMPERATURE = 1.0
 
@@ -72,6 +78,32 @@ class TextIn(Request):
     presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
     logprobs: int = Field(0, ge=0, le=MAX_LOGPROBS)
+    json_schema: str = Field("", max_length=MAX_SCHEMA_CHARS)
+    regex: str = Field("", max_length=MAX_REGEX_CHARS)
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_is_a_json_object(cls, schema: str) -> str:
+        if schema:
+            try:
+                document = json.loads(schema)
+            except ValueError as exc:
+                raise ValueError(f"is not valid JSON ({exc})") from None
+            if not isinstance(document, dict):
+                raise ValueError("must be a JSON Schema object")
+        return schema
+
+    @field_validator("regex")
+    @classmethod
+    def _one_grammar_and_a_valid_pattern(cls, regex: str, info: ValidationInfo) -> str:
+        if regex and info.data.get("json_schema"):
+            raise ValueError("give at most one of json_schema and regex")
+        if regex:
+            try:
+                re.compile(regex)
+            except re.error as exc:
+                raise ValueError(f"is not a valid regular expression ({exc})") from None
+        return regex
 
     @field_validator("prompt")
     @classmethod
@@ -92,7 +124,7 @@ class TextIn(Request):
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=resolve_seed(self.seed), stop=tuple(self.stop),
-            logprobs=self.logprobs,
+            logprobs=self.logprobs, json_schema=self.json_schema, regex=self.regex,
         )
 
 
@@ -121,6 +153,8 @@ class TextGeneration:
     __getattr__ = unknown_rpcs
     known_errors = {
         PromptTooLong: (grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+        InvalidJsonSchema: (grpc.StatusCode.INVALID_ARGUMENT, "json_schema"),
+        InvalidRegex: (grpc.StatusCode.INVALID_ARGUMENT, "regex"),
         EngineOverloaded: (grpc.StatusCode.RESOURCE_EXHAUSTED, None),
     }
 
@@ -129,6 +163,9 @@ class TextGeneration:
         self.metrics = ServiceMetrics("text")
         self.engine = AsyncLLMEngine.from_dir(model_dir, dtype=settings.dtype, config=settings.engine_config())
         self.metrics.cpu_kernels(self.engine.engine.runner.cpu_kernels)
+        # The grammar engine loads in seconds: in the background, so the first structured request need not wait.
+        threading.Thread(target=self.engine.engine.grammars.warm_up, name="genserve-grammar-warm-up",
+                         daemon=True).start()
 
     def _prompt_ids(self, prompt: str, messages: list[ChatMessageIn]) -> list[int]:
         tokenizer = self.engine.tokenizer

@@ -112,7 +112,11 @@ class AsyncLLMEngine:
             except RuntimeError:  # the consumer's loop is gone; nobody is listening
                 pass
 
-        self.engine.add_request(request_id, prompt_ids, params, on_delta, interactive=interactive)
+        if params.structured:  # compiling the grammar takes milliseconds to seconds: off the event loop
+            await asyncio.to_thread(self.engine.add_request, request_id, prompt_ids, params, on_delta,
+                                    interactive=interactive)
+        else:
+            self.engine.add_request(request_id, prompt_ids, params, on_delta, interactive=interactive)
         self._notify()
         finished = False
         try:
