@@ -14,10 +14,14 @@ class Sampling(Request):
     messages: list[dict] = []
     temperature: float = Field(1.0, ge=0)
     stop: list[str] = []
+    json_schema: str = ""
+    regex: str = ""
 
 
 def test_unset_optional_fields_are_omitted() -> None:
-    assert message_to_dict(text_pb2.TextRequest(prompt="hi")) == {"prompt": "hi", "messages": [], "stop": []}
+    # Plain proto3 scalars (no `optional`) have no presence: they are always there, at their zero value.
+    assert message_to_dict(text_pb2.TextRequest(prompt="hi")) == {"prompt": "hi", "messages": [], "stop": [],
+                                                                   "json_schema": "", "regex": ""}
 
 
 def test_an_optional_set_to_zero_is_kept() -> None:
