@@ -167,3 +167,22 @@ def test_preemption_with_shared_prefixes_gives_the_same_tokens_and_returns_every
     assert tight.generate_batch(PROMPTS, GREEDY) == expected
     assert tight.scheduler.num_preemptions > 0 and tight.scheduler.hit_tokens > 0
     assert tight.kv_blocks_free == 20
+
+
+def test_the_cuda_runner_reads_cached_prefixes_like_the_cpu_runner(tmp_path):
+    """The CUDA runner's math (Triton kernels, run by the interpreter on CPU tensors): a prefill chunk that starts
+    after 32 cached tokens attends to them through the paged cache."""
+    pytest.importorskip("triton")
+    from shared.blocks.backend import get_backend
+
+    torch.manual_seed(0)
+    directory = save_hf(hf_model("llama"), tmp_path, sharded=False)
+    prompts = [SYSTEM[:32] + ids(5, 40), SYSTEM[:32] + ids(7, 41)]
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    cpu = LLMEngine(load_model(directory), byte_tokenizer(), EngineConfig(block_size=16, prefix_caching=False))
+    triton = LLMEngine(load_model(directory, backend=get_backend("triton")), byte_tokenizer(),
+                       EngineConfig(block_size=16, max_lookahead=1))
+    assert triton.runner.name == "cuda"
+    assert [triton.generate_batch([p], greedy)[0] for p in prompts] == [cpu.generate_batch([p], greedy)[0]
+                                                                         for p in prompts]
+    assert triton.scheduler.hit_tokens == 32
