@@ -17,7 +17,7 @@ import torch
 
 from services.text.engine.batch import build_batch
 from services.text.engine.detokenizer import IncrementalDetokenizer, StopChecker
-from services.text.engine.grammar import GrammarCompiler
+from services.text.engine.grammar import Grammar, GrammarCompiler
 from services.text.engine.kv_cache import BlockManager, block_bytes
 from services.text.engine.params import Delta, EngineOverloaded, PromptTooLong, SamplingParams, TokenLogprob
 from services.text.engine.runner import ModelRunner
@@ -94,11 +94,12 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    on_delta: Callable[[Delta], None], *, interactive: bool = False) -> None:
+                    on_delta: Callable[[Delta], None], *, interactive: bool = False,
+                    grammar: Grammar | None = None) -> None:
         """Queue a request; raises PromptTooLong, EngineOverloaded, InvalidJsonSchema, InvalidRegex, or ValueError
         (empty prompt, duplicate id). ``interactive``: a consumer that shows tokens as they come (a live stream) gets
         every token the moment it exists, never in lookahead bursts (see ``_lookahead``). A structured request's
-        grammar is compiled here, in the caller's thread."""
+        grammar is compiled here, in the caller's thread, unless ``grammar`` is ``grammars.compile(params)``'s."""
         if not prompt_ids:
             raise ValueError("prompt must hold at least one token")
         vocab = self.model.config.vocab_size
@@ -110,7 +111,8 @@ class LLMEngine:
         if len(prompt_ids) + 1 > self.scheduler.capacity_tokens:
             raise PromptTooLong(f"prompt ({len(prompt_ids)} tokens) exceeds the KV cache "
                                 f"({self.scheduler.capacity_tokens} tokens)")
-        grammar = self.grammars.compile(params)
+        if grammar is None:
+            grammar = self.grammars.compile(params)
         seq = Sequence(
             request_id=request_id, prompt_ids=list(prompt_ids), params=params,
             generator=make_generator(params.seed),

@@ -3,6 +3,7 @@ whatever the sampling options, inside a continuous batch with unconstrained requ
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from text_helpers import VOCAB, byte_tokenizer, hf_model, save_hf
 
-from services.text.engine import EngineConfig, LLMEngine, SamplingParams
+from services.text.engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
 from services.text.engine.async_engine import DEMO_DIR
 from services.text.engine.grammar import apply_bitmask
 from services.text.engine.params import InvalidJsonSchema, InvalidRegex
@@ -65,6 +66,22 @@ def test_50_sampled_json_outputs_validate_inside_a_batch_with_unconstrained_requ
         assert ids[-1] not in demo.eos_ids  # done when only the stop token could follow: not spent on it
     assert len({text for text, _, _ in results[:50]}) > 40  # sampled, not one forced string
     assert results[50:] == alone  # the masks stay on their own rows
+
+
+def test_a_streamed_structured_request_arrives_token_by_token_and_validates(demo):
+    engine = AsyncLLMEngine(demo)
+
+    async def collect():
+        return [d async for d in engine.stream(demo.tokenizer.encode("A record:"),
+                                                sampled(7, json_schema=json.dumps(SCHEMA)))]
+
+    try:
+        deltas = asyncio.run(collect())
+    finally:
+        engine.shutdown()
+    assert len(deltas) > 10 and all(len(d.token_ids) == 1 for d in deltas)
+    assert deltas[-1].finish_reason == "stop"
+    jsonschema.validate(json.loads("".join(d.text for d in deltas)), SCHEMA)
 
 
 def test_regex_outputs_fullmatch_with_every_sampling_option(demo):
