@@ -1,6 +1,6 @@
 """Text engine vs Hugging Face transformers on the same random Llama (issue 5, done-when 3).
 
-    .venv/bin/python bench/lm.py [--repeats 3] [--threads 2] [--small]
+    .venv/bin/python bench/lm.py [--repeats 3] [--threads 2] [--small] [--prefix-only]
 
 (a) batch-1 decode tokens/s (32-token prompt, 128 new tokens, greedy);
 (b) 16 concurrent requests with mixed prompts (16-256 tokens) and budgets (32-256 new tokens): total generated
@@ -172,6 +172,14 @@ def prefix_ttft(engine: LLMEngine, vocab: int, repeat: int) -> tuple[float, floa
     return cold, cached
 
 
+def prefix_report(engine: LLMEngine, vocab: int, repeats: int) -> str:
+    cold, cached = zip(*(prefix_ttft(engine, vocab, r) for r in range(repeats)), strict=True)
+    cold_ms, cached_ms = [1e3 * t for t in cold], [1e3 * t for t in cached]
+    return (f"(d) TTFT, {SYSTEM_LEN}-token system prompt + {USER_LEN}-token user turn, engine fp32: cold "
+            f"{fmt(cold_ms, ' ms')}, system prompt cached {fmt(cached_ms, ' ms')}: "
+            f"{stats(cold_ms)[0] / stats(cached_ms)[0]:.1f}x lower")
+
+
 # ---- (c) roofline -------------------------------------------------------------------------------------------
 def copy_bandwidth_gbs(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
     """Read + write bandwidth of a large tensor copy (bytes moved = 2x size), the median of ``repeats`` copies:
@@ -229,23 +237,26 @@ def main() -> int:
     parser.add_argument("--clock", choices=sorted(_CLOCKS), default="wall")
     parser.add_argument("--max-lookahead", type=int, default=EngineConfig.max_lookahead,
                         help="greedy decode steps per fused kernel call (1: one step per call)")
+    parser.add_argument("--prefix-only", action="store_true", help="run (d), the prefix-caching TTFT, alone")
     args = parser.parse_args()
     _clock[0] = _CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
     cfg = SMALL if args.small else FULL
     with tempfile.TemporaryDirectory() as tmp:
         hf = hf_checkpoint(cfg, Path(tmp))
+        cached_engine = engine_for(Path(tmp), "float32", args.max_lookahead, prefix_caching=True)
+        if args.prefix_only:
+            print(f"config: {cfg}, {args.threads} threads, {args.repeats} repeats, {args.clock} clock")
+            print(prefix_report(cached_engine, cfg["vocab_size"], args.repeats))
+            return 0
         engines = {f"engine {short}": engine_for(Path(tmp), dtype, args.max_lookahead)
                    for short, dtype in (("fp32", "float32"), ("bf16", "bfloat16"), ("int8", "int8"))}
-        cached_engine = engine_for(Path(tmp), "float32", args.max_lookahead, prefix_caching=True)
     prompt = torch.randint(1, cfg["vocab_size"], (PROMPT_LEN,), generator=torch.Generator().manual_seed(1)).tolist()
     prompts, budgets = mixed_requests(cfg["vocab_size"])
     decode: dict[str, list[float]] = {"HF fp32": [], **{k: [] for k in engines}}
     conc: dict[str, list[float]] = {"HF fp32": [], **{k: [] for k in engines}}
     ttft: dict[str, list[list[float]]] = {"HF fp32": [], **{k: [] for k in engines}}
     bandwidth: dict[str, list[float]] = {"HF fp32": [], **{k: [] for k in engines}}  # GB/s right before each run
-    ttft_cold: list[float] = []
-    ttft_cached: list[float] = []
     for r in range(args.repeats):
         print(f"repeat {r + 1}/{args.repeats}", file=sys.stderr, flush=True)
         bandwidth["HF fp32"].append(copy_bandwidth_gbs())
@@ -260,9 +271,6 @@ def main() -> int:
             tps, firsts = engine_concurrent(eng, prompts, budgets)
             conc[name].append(tps)
             ttft[name].append(firsts)
-        cold, cached = prefix_ttft(cached_engine, cfg["vocab_size"], r)
-        ttft_cold.append(1e3 * cold)
-        ttft_cached.append(1e3 * cached)
 
     hf_dec, hf_conc = stats(decode["HF fp32"])[0], stats(conc["HF fp32"])[0]
     print(f"config: {cfg}, fp32 checkpoint, {args.threads} threads, {args.repeats} repeats, {args.clock} clock, "
@@ -282,9 +290,7 @@ def main() -> int:
         print(f"{name:<12} | {fmt(decode[name]):<26} | {d / hf_dec:5.2f} | {fmt(conc[name]):<26} | "
               f"{c / hf_conc:5.2f} | {p50:10.3f} | {p99:10.3f} | {share:8.1f}% of {roof:.0f}")
         print(f"{'':<12}   weights read per decode step: {wbytes / 2**20:.1f} MiB")
-    print(f"(d) TTFT, {SYSTEM_LEN}-token system prompt + {USER_LEN}-token user turn, engine fp32: cold "
-          f"{fmt(ttft_cold, ' ms')}, system prompt cached {fmt(ttft_cached, ' ms')}: "
-          f"{stats(ttft_cold)[0] / stats(ttft_cached)[0]:.1f}x lower")
+    print(prefix_report(cached_engine, cfg["vocab_size"], args.repeats))
     ppl = demo_perplexities()
     if ppl is not None:
         base = ppl["float32"]
