@@ -118,12 +118,17 @@ def one_by_one(engine: LLMEngine) -> list:
     return [engine.generate_batch([p], g)[0] for p, g in zip(PROMPTS, GREEDY, strict=True)]
 
 
+@pytest.fixture(scope="module")
+def expected(model) -> list:
+    """PROMPTS' greedy results without prefix caching, each request alone."""
+    return one_by_one(engine_for(model, prefix_caching=False))
+
+
 @pytest.mark.parametrize("generic", [False, True], ids=["cpu-runner", "generic-forward"])
-def test_greedy_outputs_are_identical_with_the_cache_on_and_off(model, generic):
+def test_greedy_outputs_are_identical_with_the_cache_on_and_off(model, generic, expected):
     off = engine_for(model, generic=generic, prefix_caching=False)
     on = engine_for(model, generic=generic)
-    expected = one_by_one(off)
-    assert off.scheduler.hit_tokens == 0
+    assert one_by_one(off) == expected and off.scheduler.hit_tokens == 0
     assert one_by_one(on) == expected
     # Each later request reuses the 40-token system prompt's 10 blocks; the first found nothing.
     assert on.scheduler.hit_tokens == 3 * 40
@@ -133,8 +138,7 @@ def test_greedy_outputs_are_identical_with_the_cache_on_and_off(model, generic):
     assert on.kv_blocks_free == on.blocks.num_blocks
 
 
-def test_chunked_prefill_hits_blocks_a_running_request_has_already_filled(model):
-    expected = one_by_one(engine_for(model, prefix_caching=False))
+def test_chunked_prefill_hits_blocks_a_running_request_has_already_filled(model, expected):
     engine = engine_for(model, max_batched_tokens=12)  # a 43-token prompt takes four steps
     out = [[] for _ in PROMPTS]
     engine.add_request("first", PROMPTS[0], GREEDY[0], out[0].append)
@@ -149,8 +153,7 @@ def test_chunked_prefill_hits_blocks_a_running_request_has_already_filled(model)
             for o in out] == expected
 
 
-def test_an_aborted_request_leaves_its_filled_blocks_cached_and_frees_the_rest(model):
-    expected = one_by_one(engine_for(model, prefix_caching=False))
+def test_an_aborted_request_leaves_its_filled_blocks_cached_and_frees_the_rest(model, expected):
     engine = engine_for(model, max_batched_tokens=16)
     engine.add_request("gone", PROMPTS[1], GREEDY[1], lambda d: None)
     engine.step()  # 16 of 49 prompt tokens: 4 blocks filled and registered
@@ -160,8 +163,7 @@ def test_an_aborted_request_leaves_its_filled_blocks_cached_and_frees_the_rest(m
     assert engine.scheduler.hit_tokens == 16
 
 
-def test_preemption_with_shared_prefixes_gives_the_same_tokens_and_returns_every_block(model):
-    expected = engine_for(model, prefix_caching=False).generate_batch(PROMPTS, GREEDY)
+def test_preemption_with_shared_prefixes_gives_the_same_tokens_and_returns_every_block(model, expected):
     # 20 blocks of 4: even sharing the system prompt's 10, the four requests (50-70 tokens) cannot all stay.
     tight = engine_for(model, num_blocks=20, max_batched_tokens=16)
     assert tight.generate_batch(PROMPTS, GREEDY) == expected
