@@ -154,6 +154,17 @@ def test_invalid_grammars_are_refused_by_name_without_internals(demo):
     assert not demo.has_work()
 
 
+def test_bounded_json_strings_refuse_raw_control_characters(demo):
+    """xgrammar 0.2's length-bounded strings admit raw control characters; json_grammar closes that gap (sampled
+    records of the test above once held an ESC byte inside "name")."""
+    params = SamplingParams(json_schema=json.dumps({"type": "object", "properties": {"s": {"type": "string",
+                                                                                         "maxLength": 5}}}))
+    for char, allowed in (("b", True), ("\x1b", False), ("\t", False)):
+        grammar = demo.grammars.compile(params)
+        assert all(grammar.accept(t) for t in demo.tokenizer.encode('{"s":"a'))
+        assert [grammar.accept(t) for t in demo.tokenizer.encode(char)] == [allowed], repr(char)
+
+
 def test_the_bitmask_sets_exactly_the_forbidden_tokens_to_minus_infinity():
     vocab = 70  # three words, the last one partly used
     allowed = torch.zeros(2, vocab, dtype=torch.bool)
