@@ -1,12 +1,14 @@
 """Text engine vs Hugging Face transformers on the same random Llama (issue 5, done-when 3).
 
-    .venv/bin/python bench/lm.py [--repeats 3] [--threads 2] [--small]
+    .venv/bin/python bench/lm.py [--repeats 3] [--threads 2] [--small] [--prefix-only]
 
 (a) batch-1 decode tokens/s (32-token prompt, 128 new tokens, greedy);
 (b) 16 concurrent requests with mixed prompts (16-256 tokens) and budgets (32-256 new tokens): total generated
     tokens/s and p50/p99 time-to-first-token, against HF ``generate`` on a left-padded static batch of 16;
 (c) roofline at batch 1: weight bytes read per decode step against a copy bandwidth measured in the same run, right
     before each system's decode run (this machine's bandwidth moves by tens of percent from minute to minute).
+(d) prefix caching: time to first token of a request whose 512-token system prompt is already in the prefix cache,
+    against the same request with a cold cache (fp32 engine; a fresh system prompt every repeat).
 bf16 and int8 weight-only engines are benched as well, with the perplexity change they cause on the demo model's
 validation text. The engines run with their default EngineConfig.max_lookahead (greedy multi-step decoding: up to
 8 decode steps per fused fp32 CPU kernel call; ``--max-lookahead 1`` measures one step per call).
@@ -31,6 +33,7 @@ FULL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidde
             num_key_value_heads=2, max_position_embeddings=1024)
 SMALL = dict(FULL, hidden_size=128, intermediate_size=256, num_hidden_layers=2, vocab_size=4096)
 PROMPT_LEN, NEW_TOKENS, CONCURRENT = 32, 128, 16
+SYSTEM_LEN, USER_LEN = 512, 32
 
 
 _CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -63,9 +66,11 @@ def hf_checkpoint(cfg: dict, directory: Path):
     return model
 
 
-def engine_for(directory: Path, dtype: str, max_lookahead: int) -> LLMEngine:
+def engine_for(directory: Path, dtype: str, max_lookahead: int, prefix_caching: bool = False) -> LLMEngine:
+    """(a)-(c) measure compute and send the same prompts every repeat: their engines run without prefix caching."""
     return LLMEngine(load_model(directory, dtype), NullTokenizer(),
-                     EngineConfig(block_size=16, max_batched_tokens=512, max_lookahead=max_lookahead))
+                     EngineConfig(block_size=16, max_batched_tokens=512, max_lookahead=max_lookahead,
+                                  prefix_caching=prefix_caching))
 
 
 def stats(xs: list[float]) -> tuple[float, float, float]:
@@ -142,6 +147,39 @@ def percentile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
+# ---- (d) prefix caching -------------------------------------------------------------------------------------
+def engine_ttft(engine: LLMEngine, prompt: list[int]) -> float:
+    """Seconds from add_request to the first token (a greedy one-token request run alone)."""
+    first: list[float] = []
+    t0 = now()
+    engine.add_request(f"d{time.perf_counter_ns()}", prompt, SamplingParams(max_tokens=1, temperature=0),
+                       lambda d: first.append(now()))
+    while engine.has_work():
+        engine.step()
+    return first[0] - t0
+
+
+def prefix_ttft(engine: LLMEngine, vocab: int, repeat: int) -> tuple[float, float]:
+    """(cold, cached) TTFT of a 512-token system prompt + a 32-token user turn: first with a system prompt the
+    cache has never seen, then the same system prompt with another user turn."""
+    gen = torch.Generator().manual_seed(1000 + repeat)
+    system = torch.randint(1, vocab, (SYSTEM_LEN,), generator=gen).tolist()
+    users = torch.randint(1, vocab, (2, USER_LEN), generator=gen).tolist()
+    hits = engine.scheduler.hit_tokens
+    cold = engine_ttft(engine, system + users[0])
+    cached = engine_ttft(engine, system + users[1])
+    assert engine.scheduler.hit_tokens - hits == SYSTEM_LEN, "the second request should hit the system prompt"
+    return cold, cached
+
+
+def prefix_report(engine: LLMEngine, vocab: int, repeats: int) -> str:
+    cold, cached = zip(*(prefix_ttft(engine, vocab, r) for r in range(repeats)), strict=True)
+    cold_ms, cached_ms = [1e3 * t for t in cold], [1e3 * t for t in cached]
+    return (f"(d) TTFT, {SYSTEM_LEN}-token system prompt + {USER_LEN}-token user turn, engine fp32: cold "
+            f"{fmt(cold_ms, ' ms')}, system prompt cached {fmt(cached_ms, ' ms')}: "
+            f"{stats(cold_ms)[0] / stats(cached_ms)[0]:.1f}x lower")
+
+
 # ---- (c) roofline -------------------------------------------------------------------------------------------
 def copy_bandwidth_gbs(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
     """Read + write bandwidth of a large tensor copy (bytes moved = 2x size), the median of ``repeats`` copies:
@@ -199,12 +237,18 @@ def main() -> int:
     parser.add_argument("--clock", choices=sorted(_CLOCKS), default="wall")
     parser.add_argument("--max-lookahead", type=int, default=EngineConfig.max_lookahead,
                         help="greedy decode steps per fused kernel call (1: one step per call)")
+    parser.add_argument("--prefix-only", action="store_true", help="run (d), the prefix-caching TTFT, alone")
     args = parser.parse_args()
     _clock[0] = _CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
     cfg = SMALL if args.small else FULL
     with tempfile.TemporaryDirectory() as tmp:
         hf = hf_checkpoint(cfg, Path(tmp))
+        cached_engine = engine_for(Path(tmp), "float32", args.max_lookahead, prefix_caching=True)
+        if args.prefix_only:
+            print(f"config: {cfg}, {args.threads} threads, {args.repeats} repeats, {args.clock} clock")
+            print(prefix_report(cached_engine, cfg["vocab_size"], args.repeats))
+            return 0
         engines = {f"engine {short}": engine_for(Path(tmp), dtype, args.max_lookahead)
                    for short, dtype in (("fp32", "float32"), ("bf16", "bfloat16"), ("int8", "int8"))}
     prompt = torch.randint(1, cfg["vocab_size"], (PROMPT_LEN,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -246,6 +290,7 @@ def main() -> int:
         print(f"{name:<12} | {fmt(decode[name]):<26} | {d / hf_dec:5.2f} | {fmt(conc[name]):<26} | "
               f"{c / hf_conc:5.2f} | {p50:10.3f} | {p99:10.3f} | {share:8.1f}% of {roof:.0f}")
         print(f"{'':<12}   weights read per decode step: {wbytes / 2**20:.1f} MiB")
+    print(prefix_report(cached_engine, cfg["vocab_size"], args.repeats))
     ppl = demo_perplexities()
     if ppl is not None:
         base = ppl["float32"]

@@ -45,7 +45,7 @@ def _write_images(images, output: Path, stem: str) -> list[Path]:
 def cmd_text(client: Client, args: argparse.Namespace) -> int:
     options = dict(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, stop=args.stop or (),
+        seed=args.seed, stop=args.stop or (), json_schema=args.json_schema, regex=args.regex,
     )
     if args.stream:
         for chunk in client.generate_stream(args.prompt, **options):
@@ -192,6 +192,9 @@ def _client_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    grammar = p.add_mutually_exclusive_group()
+    grammar.add_argument("--json-schema", help="a JSON Schema (as JSON text) the output must satisfy")
+    grammar.add_argument("--regex", help="a regular expression the whole output must match")
     p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     p.add_argument("--json", action="store_true", help="print {text, token_ids, finish_reason}")
     p.add_argument("-v", "--verbose", action="store_true")

@@ -29,6 +29,8 @@ def text_request(
     presence_penalty: float | None = None,
     frequency_penalty: float | None = None,
     logprobs: int | None = None,
+    json_schema: str | None = None,
+    regex: str | None = None,
 ) -> text_pb2.TextRequest:
     request = text_pb2.TextRequest(
         prompt=prompt, messages=[text_pb2.ChatMessage(**m) for m in messages], stop=list(stop)
@@ -36,7 +38,7 @@ def text_request(
     _set(
         request, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, min_p=min_p,
         repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty, logprobs=logprobs,
+        frequency_penalty=frequency_penalty, logprobs=logprobs, json_schema=json_schema, regex=regex,
     )
     return request
 

@@ -67,9 +67,10 @@ class AppSpec:
 # The text engine's settings per target (docs/deploy.md): on a 2-core CPU, the CPU runner's lookahead and the default
 # KV budget; on an H100/H200, bf16, a KV cache of 35% of the memory left after the weights (text replicas may
 # share a GPU with each other and the image apps), large batches and CUDA graphs.
-LOCAL_TEXT_SETTINGS = (("dtype", "auto"), ("max_batched_tokens", 512), ("max_running", 64), ("max_lookahead", 8))
+LOCAL_TEXT_SETTINGS = (("dtype", "auto"), ("max_batched_tokens", 512), ("max_running", 64), ("max_lookahead", 8),
+                       ("prefix_caching", True))
 GPU_TEXT_SETTINGS = (("dtype", "bfloat16"), ("kv_cache_fraction", 0.35), ("max_batched_tokens", 8192),
-                     ("max_running", 256), ("max_lookahead", 1), ("cuda_graphs", True))
+                     ("max_running", 256), ("max_lookahead", 1), ("cuda_graphs", True), ("prefix_caching", True))
 LOCAL_APPS = (
     AppSpec("text", "TextGeneration", 0.4, 0, 1, 2, 4, 16, 32, LOCAL_TEXT_SETTINGS),
     AppSpec("gan", "ImageGan", 0.1, 0, 1, 2, 2, 8, 32),

@@ -10,6 +10,8 @@ record their own model metrics through `ServiceMetrics`.
 - genserve_text_time_to_first_token_seconds (histogram; service, method): handler entry to the first token
 - genserve_text_generated_tokens (counter; service): generated tokens (tokens/s via rate())
 - genserve_text_kv_free_blocks (gauge; service): free blocks of the paged KV cache
+- genserve_text_prefix_cache_hit_tokens (counter; service): prompt tokens whose K/V came from the prefix cache
+- genserve_text_prefix_cache_queried_tokens (counter; service): prompt tokens admitted (the hit rate's denominator)
 - genserve_diffusion_steps (counter; service): denoising steps run (steps/s via rate())
 - genserve_diffusion_step_seconds (histogram; service): duration of one denoising step
 - genserve_images (counter; service, method): images produced (images/s via rate())
@@ -36,6 +38,8 @@ class _Registry:
     ttft: metrics.Histogram
     tokens: metrics.Counter
     kv_free: metrics.Gauge
+    prefix_hits: metrics.Counter
+    prefix_queries: metrics.Counter
     steps: metrics.Counter
     step_seconds: metrics.Histogram
     images: metrics.Counter
@@ -67,6 +71,14 @@ def _registry() -> _Registry:
         kv_free=metrics.Gauge(
             "genserve_text_kv_free_blocks", description="Free blocks of the paged KV cache.", tag_keys=("service",)
         ),
+        prefix_hits=metrics.Counter(
+            "genserve_text_prefix_cache_hit_tokens", description="Prompt tokens whose K/V came from the prefix cache.",
+            tag_keys=("service",),
+        ),
+        prefix_queries=metrics.Counter(
+            "genserve_text_prefix_cache_queried_tokens", description="Prompt tokens admitted to the engine.",
+            tag_keys=("service",),
+        ),
         steps=metrics.Counter(
             "genserve_diffusion_steps", description="Denoising steps run.", tag_keys=("service",)
         ),
@@ -90,6 +102,7 @@ class ServiceMetrics:
     def __init__(self, service: str):
         self.service = service
         self._ongoing = 0
+        self._prefix_reported = (0, 0)  # (hit, queried) token totals already added to the counters
 
     def request_started(self) -> None:
         self._ongoing += 1
@@ -115,6 +128,16 @@ class ServiceMetrics:
 
     def kv_free_blocks(self, n: int) -> None:
         _registry().kv_free.set(n, tags={"service": self.service})
+
+    def prefix_cache(self, hit_tokens: int, queried_tokens: int) -> None:
+        """Bring the prefix-cache counters up to the engine's running totals."""
+        reg, tags = _registry(), {"service": self.service}
+        hits, queries = self._prefix_reported
+        if hit_tokens > hits:
+            reg.prefix_hits.inc(hit_tokens - hits, tags=tags)
+        if queried_tokens > queries:
+            reg.prefix_queries.inc(queried_tokens - queries, tags=tags)
+        self._prefix_reported = (max(hits, hit_tokens), max(queries, queried_tokens))
 
     def denoising_step(self, seconds: float) -> None:
         reg = _registry()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -29,6 +31,7 @@ from services.common.metrics import ServiceMetrics
 from services.common.rpc import streaming, unary, unknown_rpcs
 from services.common.validation import MAX_SEED, Request, parse, resolve_seed
 from services.text.engine import AsyncLLMEngine, Delta, EngineOverloaded, PromptTooLong, SamplingParams
+from services.text.engine.params import InvalidJsonSchema, InvalidRegex
 from services.text.settings import TextArgs
 from services.text.tokenizer import NoChatTemplate
 
@@ -42,7 +45,8 @@ MAX_STOPS = 4
 MAX_STOP_CHARS = 64
 MAX_TOP_K = 1000
 MAX_LOGPROBS = 5
-MAX_GRAMMAR_CHARS = 16_384
+MAX_SCHEMA_CHARS = 16_384
+MAX_REGEX_CHARS = 1_024
 DEFAULT_MAX_TOKENS = 64
 DEFAULT_TEMPERATURE = 1.0
 
@@ -77,8 +81,32 @@ class TextIn(Request):
     presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
     logprobs: int = Field(0, ge=0, le=MAX_LOGPROBS)
-    json_schema: str = Field("", max_length=MAX_GRAMMAR_CHARS)
-    regex: str = Field("", max_length=MAX_GRAMMAR_CHARS)
+    json_schema: str = Field("", max_length=MAX_SCHEMA_CHARS)
+    regex: str = Field("", max_length=MAX_REGEX_CHARS)
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_is_a_json_object(cls, schema: str) -> str:
+        if schema:
+            try:
+                document = json.loads(schema)
+            except ValueError as exc:
+                raise ValueError(f"is not valid JSON ({exc})") from None
+            if not isinstance(document, dict):
+                raise ValueError("must be a JSON Schema object")
+        return schema
+
+    @field_validator("regex")
+    @classmethod
+    def _one_grammar_and_a_valid_pattern(cls, regex: str, info: ValidationInfo) -> str:
+        if regex and info.data.get("json_schema"):
+            raise ValueError("give at most one of json_schema and regex")
+        if regex:
+            try:
+                re.compile(regex)
+            except re.error as exc:
+                raise ValueError(f"is not a valid regular expression ({exc})") from None
+        return regex
 
     @field_validator("prompt")
     @classmethod
@@ -92,25 +120,6 @@ class TextIn(Request):
             raise ValueError(f"each stop string must have 1..{MAX_STOP_CHARS} characters")
         return stop
 
-    @field_validator("json_schema")
-    @classmethod
-    def _schema_is_an_object(cls, schema: str) -> str:
-        if schema:
-            try:
-                document = json.loads(schema)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"not valid JSON ({exc.msg})") from None
-            if not isinstance(document, dict):
-                raise ValueError("must be a JSON object (a JSON Schema document)")
-        return schema
-
-    @field_validator("regex")
-    @classmethod
-    def _one_grammar(cls, regex: str, info: ValidationInfo) -> str:
-        if regex and info.data.get("json_schema"):
-            raise ValueError("give at most one of json_schema and regex")
-        return regex
-
     def sampling_params(self, room: int) -> SamplingParams:
         """`room`: tokens left in the context after the prompt; an unset max_tokens takes min(default, room)."""
         max_tokens = self.max_tokens if self.max_tokens is not None else max(1, min(DEFAULT_MAX_TOKENS, room))
@@ -118,7 +127,7 @@ class TextIn(Request):
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=resolve_seed(self.seed), stop=tuple(self.stop),
-            logprobs=self.logprobs,
+            logprobs=self.logprobs, json_schema=self.json_schema, regex=self.regex,
         )
 
 
@@ -147,6 +156,8 @@ class TextGeneration:
     __getattr__ = unknown_rpcs
     known_errors = {
         PromptTooLong: (grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+        InvalidJsonSchema: (grpc.StatusCode.INVALID_ARGUMENT, "json_schema"),
+        InvalidRegex: (grpc.StatusCode.INVALID_ARGUMENT, "regex"),
         EngineOverloaded: (grpc.StatusCode.RESOURCE_EXHAUSTED, None),
         NoChatTemplate: (grpc.StatusCode.FAILED_PRECONDITION, "messages"),
     }
@@ -157,6 +168,9 @@ class TextGeneration:
         self.engine = AsyncLLMEngine.from_dir(model_dir, dtype=settings.dtype, config=settings.engine_config())
         self.metrics.cpu_kernels(self.engine.engine.runner.cpu_kernels)
         self.max_prompt_bytes = PROMPT_BYTES_PER_TOKEN * self.engine.max_context
+        # The grammar engine loads in seconds: in the background, so the first structured request need not wait.
+        threading.Thread(target=self.engine.engine.grammars.warm_up, name="genserve-grammar-warm-up",
+                         daemon=True).start()
 
     def _prompt_ids(self, prompt: str, messages: list[ChatMessageIn], field: str = "prompt") -> list[int]:
         size = len(prompt.encode()) + sum(len(m.content.encode()) for m in messages)
@@ -175,9 +189,6 @@ class TextGeneration:
 
     def _prepare(self, request: text_pb2.TextRequest) -> tuple[list[int], SamplingParams]:
         req = parse(TextIn, request)
-        if req.json_schema or req.regex:
-            field = "json_schema" if req.json_schema else "regex"
-            raise InvalidArgument(field, "structured outputs are not supported by this text engine")
         prompt_ids = self._prompt_ids(req.prompt, req.messages)
         if not prompt_ids:
             raise InvalidArgument("prompt", "encodes to no tokens")
@@ -196,6 +207,7 @@ class TextGeneration:
                 self.metrics.tokens(len(delta.token_ids))
                 yield delta
         self.metrics.kv_free_blocks(self.engine.kv_blocks_free)
+        self.metrics.prefix_cache(*self.engine.engine.prefix_cache_stats())
 
     @unary(text_pb2.TextRequest, text_pb2.TextResponse)
     async def Generate(self, request: text_pb2.TextRequest) -> text_pb2.TextResponse:
@@ -232,6 +244,7 @@ class TextGeneration:
     async def GetModelInfo(self, request: text_pb2.ModelInfoRequest) -> text_pb2.ModelInfo:
         info = self.engine.info()
         self.metrics.kv_free_blocks(info["kv_blocks_free"])
+        self.metrics.prefix_cache(*self.engine.engine.prefix_cache_stats())
         fields = text_pb2.ModelInfo.DESCRIPTOR.fields_by_name
         return text_pb2.ModelInfo(**{k: v for k, v in info.items() if k in fields})
 

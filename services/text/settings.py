@@ -23,6 +23,7 @@ class TextArgs(AppArgs):
     max_running: int = Field(64, ge=1, le=4096)  # sequences in the running batch
     max_lookahead: int = Field(8, ge=1, le=64)  # greedy steps per call where the runner has a multi-step path
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA runner)
+    prefix_caching: bool = True  # full KV blocks reused across requests that share a prefix
 
     @model_validator(mode="after")
     def _one_kv_budget(self) -> TextArgs:
@@ -34,5 +35,5 @@ class TextArgs(AppArgs):
         return EngineConfig(
             kv_cache_bytes=self.kv_cache_bytes or 0, kv_cache_fraction=self.kv_cache_fraction or 0.0,
             max_batched_tokens=self.max_batched_tokens, max_running=self.max_running,
-            max_lookahead=self.max_lookahead, cuda_graphs=self.cuda_graphs,
+            max_lookahead=self.max_lookahead, cuda_graphs=self.cuda_graphs, prefix_caching=self.prefix_caching,
         )

@@ -75,6 +75,11 @@ class TextTokenizer:
         return cls(tokenizer, config, eos_token_ids, template)
 
     @property
+    def backend(self) -> Tokenizer:
+        """The ``tokenizers`` object itself (its vocabulary and serialised form, for the grammar compiler)."""
+        return self._tok
+
+    @property
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 

@@ -74,6 +74,15 @@ CASES = {
     "text-stream-max-tokens-zero": Case(
         "text", "GenerateStream", T.TextRequest(prompt="hi", max_tokens=0), "max_tokens"
     ),
+    "text-json-schema-not-json": Case("text", "Generate", T.TextRequest(prompt="hi", json_schema="{"), "json_schema"),
+    "text-json-schema-unsupported": Case(
+        "text", "Generate", T.TextRequest(prompt="hi", json_schema='{"type": "tuple"}'), "json_schema"
+    ),
+    "text-regex-invalid": Case("text", "GenerateStream", T.TextRequest(prompt="hi", regex="[a-"), "regex"),
+    "text-regex-unsupported": Case("text", "Generate", T.TextRequest(prompt="hi", regex=r"(a)\1"), "regex"),
+    "text-schema-and-regex": Case(
+        "text", "Generate", T.TextRequest(prompt="hi", json_schema="{}", regex="a"), "regex"
+    ),
     "text-tokenize-empty": Case("text", "Tokenize", T.TokenizeRequest(text=""), "text"),
     "gan-zero-images": Case("gan", "Sample", G.GanSampleRequest(num_images=0), "num_images"),
     "gan-too-many-images": Case("gan", "Sample", G.GanSampleRequest(num_images=65), "num_images"),

@@ -115,7 +115,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "architecture", "n_params", "vocab_size", "max_context", "dtype", "kv_blocks_total", "kv_blocks_free", "runner", "device", "kv_cache_bytes", "block_size", "max_batched_tokens", "max_running", "max_lookahead", "model_path", "quantization")
+    __slots__ = ("model_name", "architecture", "n_params", "vocab_size", "max_context", "dtype", "kv_blocks_total", "kv_blocks_free", "runner", "device", "kv_cache_bytes", "block_size", "max_batched_tokens", "max_running", "max_lookahead", "prefix_caching", "prefix_cache_hit_tokens", "model_path", "quantization")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     N_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,8 @@ class ModelInfo(_message.Message):
     MAX_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
     MAX_LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     model_name: str
@@ -148,6 +150,8 @@ class ModelInfo(_message.Message):
     max_batched_tokens: int
     max_running: int
     max_lookahead: int
+    prefix_caching: bool
+    prefix_cache_hit_tokens: int
     model_path: str
     quantization: str
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., n_params: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., runner: _Optional[str] = ..., device: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., max_running: _Optional[int] = ..., max_lookahead: _Optional[int] = ..., model_path: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., n_params: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., runner: _Optional[str] = ..., device: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., max_running: _Optional[int] = ..., max_lookahead: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., model_path: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...

@@ -122,7 +122,9 @@ class AsyncLLMEngine:
             except RuntimeError:  # the consumer's loop is gone; nobody is listening
                 pass
 
-        self.engine.add_request(request_id, prompt_ids, params, on_delta, interactive=interactive)
+        # Compiling a grammar takes milliseconds to seconds: off the event loop, before the request exists.
+        grammar = await asyncio.to_thread(self.engine.grammars.compile, params) if params.structured else None
+        self.engine.add_request(request_id, prompt_ids, params, on_delta, interactive=interactive, grammar=grammar)
         self._notify()
         finished = False
         try:

@@ -17,6 +17,7 @@ import torch
 
 from services.text.engine.batch import build_batch
 from services.text.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from services.text.engine.grammar import Grammar, GrammarCompiler
 from services.text.engine.kv_cache import BlockManager, block_bytes
 from services.text.engine.params import Delta, EngineOverloaded, PromptTooLong, SamplingParams, TokenLogprob
 from services.text.engine.runner import ModelRunner
@@ -42,6 +43,8 @@ class EngineConfig:
     # the Python between two steps costs ~6% of a step at batch 1 on the bench model. 1: every token at once.
     max_lookahead: int = 8
     cuda_graphs: bool = True
+    # Automatic prefix caching (kv_cache.py): full blocks are shared across requests by the hash of their prefix.
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_batched_tokens", "max_running", "max_waiting", "max_lookahead"):
@@ -80,20 +83,23 @@ class LLMEngine:
             raise ValueError(f"the KV-cache budget holds no block of {per_block} bytes")
         self.kv_cache_bytes = num_blocks * per_block
         runner.allocate_kv_cache(num_blocks, config.block_size)
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.blocks = BlockManager(num_blocks, config.block_size, caching=config.prefix_caching)
         self.scheduler = Scheduler(self.blocks, SchedulerConfig(
             config.max_batched_tokens, config.max_running, config.max_waiting))
         self.eos_ids = frozenset(mc.eos_token_ids) | frozenset(getattr(tokenizer, "eos_token_ids", ()))
+        self.grammars = GrammarCompiler(tokenizer, mc.vocab_size, self.eos_ids)
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self.lock = threading.Lock()
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    on_delta: Callable[[Delta], None], *, interactive: bool = False) -> None:
-        """Queue a request; raises PromptTooLong, EngineOverloaded, or ValueError (empty prompt, duplicate id).
-        ``interactive``: a consumer that shows tokens as they come (a live stream) gets every token the moment it
-        exists, never in lookahead bursts (see ``_lookahead``)."""
+                    on_delta: Callable[[Delta], None], *, interactive: bool = False,
+                    grammar: Grammar | None = None) -> None:
+        """Queue a request; raises PromptTooLong, EngineOverloaded, InvalidJsonSchema, InvalidRegex, or ValueError
+        (empty prompt, duplicate id). ``interactive``: a consumer that shows tokens as they come (a live stream) gets
+        every token the moment it exists, never in lookahead bursts (see ``_lookahead``). A structured request's
+        grammar is compiled here, in the caller's thread, unless ``grammar`` is ``grammars.compile(params)``'s."""
         if not prompt_ids:
             raise ValueError("prompt must hold at least one token")
         vocab = self.model.config.vocab_size
@@ -105,11 +111,14 @@ class LLMEngine:
         if len(prompt_ids) + 1 > self.scheduler.capacity_tokens:
             raise PromptTooLong(f"prompt ({len(prompt_ids)} tokens) exceeds the KV cache "
                                 f"({self.scheduler.capacity_tokens} tokens)")
+        if grammar is None:
+            grammar = self.grammars.compile(params)
         seq = Sequence(
             request_id=request_id, prompt_ids=list(prompt_ids), params=params,
             generator=make_generator(params.seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer.decode, prompt_ids),
-            stopper=StopChecker(params.stop), on_delta=on_delta, arrival=next(self._arrivals), interactive=interactive)
+            stopper=StopChecker(params.stop), on_delta=on_delta, arrival=next(self._arrivals), interactive=interactive,
+            grammar=grammar)
         with self.lock:
             if request_id in self._seqs:
                 raise ValueError(f"request_id {request_id!r} is already running")
@@ -155,7 +164,13 @@ class LLMEngine:
             "max_batched_tokens": self.config.max_batched_tokens,
             "max_running": self.config.max_running,
             "max_lookahead": self.runner.max_steps(1),
+            "prefix_caching": self.blocks.caching,
+            "prefix_cache_hit_tokens": self.scheduler.hit_tokens,
         }
+
+    def prefix_cache_stats(self) -> tuple[int, int]:
+        """Tokens admitted with their K/V already cached, and tokens admitted, since start-up."""
+        return self.scheduler.hit_tokens, self.scheduler.queried_tokens
 
     # ---- stepping -------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -184,6 +199,7 @@ class LLMEngine:
                 if c.seq.finished:  # aborted while the model ran
                     continue
                 c.seq.num_computed = c.start + c.length
+                self.blocks.register(c.seq.request_id, c.seq.prompt_ids, c.seq.output_ids, c.seq.num_computed)
                 if c.sample:
                     deltas.append((c.seq, self._advance(c.seq, token, logprob)))
         for seq, delta in deltas:
@@ -193,15 +209,15 @@ class LLMEngine:
     def _lookahead(self, chunks: list[ScheduledChunk]) -> int:
         """How many decode steps this batch runs in one runner call (up to ``runner.max_steps``), with the blocks
         for the extra positions reserved here; 1 is an ordinary step. Several only when they cannot change what
-        anyone receives: every
-        chunk a decode token of a plain greedy request (no penalties, no logprobs) that nobody watches token by
-        token (not ``interactive``), nobody waiting to be admitted, and no sequence due to stop on length or
-        context sooner. A sequence that stops early on EOS or a stop string drops the tokens after it, so its
-        output is the same as step by step; its deltas arrive in bursts of up to ``config.max_lookahead``."""
+        anyone receives: every chunk a decode token of a plain greedy request (no penalties, no logprobs, no
+        grammar) that nobody watches token by token (not ``interactive``), nobody waiting to be admitted, and no
+        sequence due to stop on length or context sooner. A sequence that stops early on EOS or a stop string drops
+        the tokens after it, so its output is the same as step by step; its deltas arrive in bursts of up to
+        ``config.max_lookahead``."""
         max_steps = self.runner.max_steps(len(chunks))
         if (max_steps <= 1 or self.scheduler.waiting
                 or any(c.length != 1 or c.seq.interactive or not c.seq.params.greedy or c.seq.params.has_penalties
-                       or c.seq.params.logprobs for c in chunks)):
+                       or c.seq.params.logprobs or c.seq.grammar is not None for c in chunks)):
             return 1
         steps = min(max_steps, *(min(c.seq.params.max_tokens - len(c.seq.output_ids),
                                      self.max_context - c.seq.num_tokens) for c in chunks))
@@ -220,18 +236,23 @@ class LLMEngine:
                     if c.seq.finished:  # aborted while the model ran, or finished by an earlier token
                         break
                     c.seq.num_computed = c.start + j + 1
+                    self.blocks.register(c.seq.request_id, c.seq.prompt_ids, c.seq.output_ids, c.seq.num_computed)
                     deltas.append((c.seq, self._advance(c.seq, token, None)))
         for seq, delta in deltas:
             seq.on_delta(delta)
         return len(chunks) * steps
 
     def _advance(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> Delta:
-        """Append ``seq``'s next token, detokenise it and check every finish condition."""
+        """Append ``seq``'s next token, detokenise it and check every finish condition. A structured request ends
+        with ``stop`` when its grammar is done (a stop token it allowed, or nothing else may follow)."""
         seq.output_ids.append(token)
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            self._finish(seq, "error")  # the mask allowed it, so this is a bug: end this request only
+            return Delta(f"the grammar rejected token {token}", (token,), "error")
         reason = None
         if token in self.eos_ids:
-            reason = "eos"
-        elif seq.stopper.add(seq.detokenizer.add(token)):
+            reason = "eos" if seq.grammar is None else "stop"
+        elif seq.stopper.add(seq.detokenizer.add(token)) or (seq.grammar is not None and seq.grammar.done):
             reason = "stop"
         elif len(seq.output_ids) >= seq.params.max_tokens:
             reason = "length"

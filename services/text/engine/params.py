@@ -17,10 +17,19 @@ class EngineOverloaded(RuntimeError):
     """The waiting queue is full; the caller should retry later."""
 
 
+class InvalidJsonSchema(ValueError):
+    """``json_schema`` is not a JSON Schema the grammar engine can compile."""
+
+
+class InvalidRegex(ValueError):
+    """``regex`` is not a regular expression the grammar engine can compile."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding options. ``temperature=0`` means greedy; ``top_k=0`` and ``top_p=1`` disable those
-    filters; penalties follow the CTRL paper (repetition) and the OpenAI API (presence/frequency)."""
+    filters; penalties follow the CTRL paper (repetition) and the OpenAI API (presence/frequency). ``json_schema``
+    or ``regex`` (at most one) constrains the output to a grammar (engine/grammar.py)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -33,6 +42,8 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logprobs: int = 0
+    json_schema: str = ""
+    regex: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,6 +65,13 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must hold non-empty strings")
         _check(isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
                f"must be an integer in [0, {MAX_LOGPROBS}]")
+        _check(isinstance(self.json_schema, str) and isinstance(self.regex, str), "json_schema",
+               "and regex must be strings")
+        _check(not (self.json_schema and self.regex), "regex", "give at most one of json_schema and regex")
+
+    @property
+    def structured(self) -> bool:
+        return bool(self.json_schema or self.regex)
 
     @property
     def greedy(self) -> bool:

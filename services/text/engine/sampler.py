@@ -1,14 +1,16 @@
 """Turning next-token logits into tokens, every row with its own options and its own seeded ``torch.Generator`` (the
 same seed gives the same tokens whatever else shares the batch).
 
-Order of operations (as in vLLM/HF): penalties on raw logits -> greedy argmax, or temperature -> top-k -> top-p
+Order of operations (as in vLLM/HF): the grammar mask of a structured request (-inf on every token its grammar
+forbids next) -> penalties -> greedy argmax, or temperature -> top-k -> top-p
 -> min-p -> inverse-CDF draw with one uniform from the request's generator. Logprobs are those of the unmodified
 model distribution ``log_softmax(logits)``.
 
 ``sample_batch`` runs on the device the logits live on: the filters work on all rows at once, each row with its own
 parameters, and the uniforms come from the requests' CPU generators (one number per sampled row), so the draw of a
-row depends only on its own logits and generator. Only the chosen ids (and the logprobs asked for) come back to the
-host, in one copy.
+row depends only on its own logits and generator. Grammar masks are packed bitmasks filled on the host (32 tokens
+per int32 word) and unpacked on the device. Only the chosen ids (and the logprobs asked for) come back to the host,
+in one copy.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from services.text.engine.grammar import apply_bitmask, bitmask_words
 from services.text.engine.params import SamplingParams, TokenLogprob
 
 
@@ -108,14 +111,21 @@ def argmax(logits: torch.Tensor) -> int:
     return int(logits.numpy().argmax()) if logits.device.type == "cpu" else int(logits.argmax().item())
 
 
+class TokenMask(Protocol):
+    """A structured request's grammar (engine/grammar.py ``Grammar``): writes the tokens allowed next."""
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None: ...
+
+
 class SampleRow(Protocol):
-    """What sampling one row needs from its request (an engine ``Sequence`` is one): options, generator and the
-    tokens seen so far (for penalties)."""
+    """What sampling one row needs from its request (an engine ``Sequence`` is one): options, generator, the
+    tokens seen so far (for penalties) and its grammar, if any."""
 
     params: SamplingParams
     generator: torch.Generator
     prompt_ids: list[int]
     output_ids: list[int]
+    grammar: TokenMask | None
 
 
 @dataclass
@@ -124,21 +134,35 @@ class _Row:
     generator: torch.Generator
     prompt_ids: list[int]
     output_ids: list[int]
+    grammar: TokenMask | None = None
+
+
+def mask_grammar_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """``logits`` (R, V) with each structured row's forbidden tokens at -inf (the others untouched)."""
+    constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+    if not constrained:
+        return logits
+    bitmask = torch.empty((len(constrained), bitmask_words(logits.shape[-1])), dtype=torch.int32)
+    for j, i in enumerate(constrained):
+        rows[i].grammar.fill(bitmask, j)
+    index = torch.tensor(constrained, device=logits.device)
+    return logits.index_copy(0, index, apply_bitmask(logits[index], bitmask))
 
 
 def sample_batch(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[tuple[int, TokenLogprob | None]]:
     """The next token of every row of ``logits`` (R, V) and its logprob entry when asked for, computed where the
-    logits live. Plain greedy rows on the CPU take numpy's argmax row by row (the decode hot path)."""
+    logits live. Plain greedy rows on the CPU take numpy's argmax row by row (the decode hot path). Logprobs are
+    those of the model (before the grammar mask and penalties)."""
     raw = logits.float()
     if raw.device.type == "cpu" and all(r.params.greedy and not r.params.has_penalties and not r.params.logprobs
-                                        for r in rows):
+                                        and r.grammar is None for r in rows):
         return [(argmax(raw[i]), None) for i in range(len(rows))]
-    x = raw
+    x = mask_grammar_rows(raw, rows)
     penalised = [i for i, r in enumerate(rows) if r.params.has_penalties]
     if penalised:
-        x = raw.clone()
+        x = x.clone()
         for i in penalised:
-            x[i] = apply_penalties(raw[i], rows[i].params, rows[i].prompt_ids, rows[i].output_ids)
+            x[i] = apply_penalties(x[i], rows[i].params, rows[i].prompt_ids, rows[i].output_ids)
     tokens = x.argmax(-1)  # (R,): the greedy rows' answer; sampled rows are overwritten below
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:

@@ -5,6 +5,10 @@ Every step: (1) each running sequence that has all but its newest token cached g
 the latest arrivals when the free list runs short; (2) the remaining token budget goes to prefill chunks, first of
 running sequences mid-prefill, then of waiting requests in arrival order. A preempted sequence frees all its
 blocks and goes back to the front of the queue; its prompt and generated tokens are recomputed when it returns.
+
+With prefix caching (kv_cache.py), a sequence admitted from the queue (first or after a preemption) starts from the
+cached blocks that hold its leading tokens and only schedules the rest; ``hit_tokens`` / ``queried_tokens`` count
+them. Blocks are registered in the cache by the engine once the step that fills them has run.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.overflowed: list[Sequence] = []
+        self.hit_tokens = 0  # prompt tokens admitted with their K/V already cached
+        self.queried_tokens = 0  # tokens of every admitted sequence
 
     @property
     def capacity_tokens(self) -> int:
@@ -125,6 +131,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(seq)
+            self.hit_tokens += seq.num_computed
+            self.queried_tokens += seq.num_tokens
             budget -= used
         if not chunks and self.running:
             # Every running sequence is stuck mid-prefill with the cache full: free the newest and retry.
@@ -140,12 +148,20 @@ class Scheduler:
         return chunks
 
     def _prefill_chunk(self, seq: Sequence, budget: int, chunks: list[ScheduledChunk]) -> int:
-        """Schedule as much of ``seq``'s uncached prefix as the budget and free blocks allow; tokens used."""
+        """Schedule as much of ``seq``'s uncomputed tokens as the budget and free blocks allow; tokens used. A
+        sequence without blocks first takes the cached blocks of its prefix, and gives them back when nothing of
+        it can be scheduled (a waiting sequence holds no blocks)."""
+        admitting = seq.request_id not in self.blocks.tables
+        if admitting:
+            seq.num_computed = self.blocks.match_prefix(seq.request_id, seq.prompt_ids, seq.output_ids)
         bs = self.blocks.block_size
-        have = len(self.blocks.tables.get(seq.request_id, ())) * bs
+        have = len(self.blocks.tables[seq.request_id]) * bs
         room = have - seq.num_computed + self.blocks.num_free * bs
         length = min(seq.num_tokens - seq.num_computed, budget, room)
         if length <= 0:
+            if admitting:
+                self.blocks.free(seq.request_id)
+                seq.num_computed = 0
             return 0
         self.blocks.grow(seq.request_id, seq.num_computed + length)
         chunks.append(ScheduledChunk(seq, seq.num_computed, length))

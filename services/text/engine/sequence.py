@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.text.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from services.text.engine.grammar import Grammar
 from services.text.engine.params import Delta, SamplingParams
 
 
@@ -26,6 +27,7 @@ class Sequence:
     finish_reason: str | None = None
     arrival: int = 0  # admission order: later arrivals are preempted first
     interactive: bool = False  # its consumer shows tokens as they come: every token leaves the engine at once
+    grammar: Grammar | None = None  # structured output: the tokens the grammar allows next
 
     @property
     def tokens(self) -> list[int]:

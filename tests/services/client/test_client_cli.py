@@ -27,6 +27,16 @@ def test_text_json(fake_server, capsys) -> None:
     assert json.loads(capsys.readouterr().out) == {"text": "ba", "token_ids": [1, 2], "finish_reason": "length"}
 
 
+def test_text_sends_a_json_schema_or_a_regex(fake_server, capsys) -> None:
+    address, seen = fake_server
+    assert main(["--address", address, "text", "ab", "--json-schema", '{"type": "object"}']) == 0
+    assert seen[-1][1].json_schema == '{"type": "object"}' and seen[-1][1].regex == ""
+    assert main(["--address", address, "text", "ab", "--regex", "[a-z]+", "--stream"]) == 0
+    assert seen[-1][1].regex == "[a-z]+" and seen[-1][1].json_schema == ""
+    with pytest.raises(SystemExit):  # argparse: not both
+        main(["--address", address, "text", "ab", "--regex", "a", "--json-schema", "{}"])
+
+
 def test_text_stream_writes_chunks(fake_server, capsys) -> None:
     address, _ = fake_server
     assert main(["--address", address, "text", "hey", "--stream", "--stop", "."]) == 0

@@ -19,8 +19,9 @@ class Sampling(Request):
 
 
 def test_unset_optional_fields_are_omitted() -> None:
+    # Plain proto3 scalars (no `optional`) have no presence: they are always there, at their zero value.
     assert message_to_dict(text_pb2.TextRequest(prompt="hi")) == {"prompt": "hi", "messages": [], "stop": [],
-                                                                  "json_schema": "", "regex": ""}
+                                                                   "json_schema": "", "regex": ""}
 
 
 def test_an_optional_set_to_zero_is_kept() -> None:

@@ -27,6 +27,7 @@ class Row:
     def __init__(self, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]):
         self.params, self.prompt_ids, self.output_ids = params, prompt_ids, output_ids
         self.generator = make_generator(params.seed if params.seed is not None else 0)
+        self.grammar = None
 
 
 def _rows(vocab: int) -> list[Row]:
