@@ -135,11 +135,9 @@ def test_async_client_chat_stream_with_two_choices_and_completion(stack) -> None
     assert completion.choices[0].text and completion.usage.completion_tokens >= 1
 
 
-@pytest.mark.xfail(strict=True, raises=openai.BadRequestError,
-                   reason="needs structured outputs in the text engine (json_schema, issue 14); this branch "
-                          "forwards the field and the engine refuses it. Remove this mark when the engine has it.")
 def test_response_format_json_schema_output_validates(api: openai.OpenAI) -> None:
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 150}},
               "required": ["name", "age"], "additionalProperties": False}
     reply = api.chat.completions.create(
         model="text", messages=[{"role": "user", "content": "Give a person as JSON"}], max_tokens=64,
