@@ -40,6 +40,10 @@ _SIGNATURES = {
     # x, w, bias, y, m, n, k, threads
     "gemv_f32": [_PTR] * 4 + [_I64] * 3 + [_INT],
     "gemv_bf16": [_PTR] * 4 + [_I64] * 3 + [_INT],
+    # x, GGUF blocks, bias, y, m, n, k, GGML type id, threads
+    "quant_gemv": [_PTR] * 4 + [_I64] * 3 + [_INT] * 2,
+    # GGUF blocks, out, first row, rows, k, GGML type id, threads
+    "quant_dequant_rows": [_PTR] * 2 + [_I64] * 3 + [_INT] * 2,
     # q, k_cache, v_cache, tables, lens, out, batch, hq, hkv, d, block_size, max_blocks, scale, threads
     "paged_decode_f32": [_PTR] * 6 + [_I64] * 6 + [_F32, _INT],
     "paged_decode_bf16": [_PTR] * 6 + [_I64] * 6 + [_F32, _INT],
