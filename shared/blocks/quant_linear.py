@@ -3,7 +3,8 @@ the layouts are in shared/blocks/quant_formats.py), for inference.
 
 The module holds the file's bytes, never an fp32 copy: ``blocks`` is a uint8 buffer (out_features, row bytes),
 one row of K / 32 blocks per output feature, and the backend's ``quant_linear`` dequantises inside the product (a
-C kernel on the CPU, Triton on CUDA). ``QuantLinear.from_gguf`` is what a GGUF loader calls for such a tensor.
+C kernel on the CPU, Triton on CUDA). ``QuantLinear.from_gguf`` is what a GGUF loader calls for such a tensor;
+``from_linear`` quantises a dense layer the way llama.cpp does.
 """
 
 from __future__ import annotations
@@ -38,14 +39,29 @@ class QuantLinear(nn.Module):
         ValueError naming the type or the size when they do not fit."""
         out_features, in_features = shape
         layer = cls(in_features, out_features, qtype, bias=bias is not None, backend=backend)
-        raw = torch.as_tensor(np.ascontiguousarray(data)) if isinstance(data, np.ndarray) else data
-        if raw.dtype != torch.uint8 or raw.numel() != layer.blocks.numel():
+        size = data.size if isinstance(data, np.ndarray) else data.numel()
+        if str(data.dtype).removeprefix("torch.") != "uint8" or size != layer.blocks.numel():
             raise ValueError(f"{layer.qtype} tensor of shape {tuple(shape)} needs {layer.blocks.numel()} uint8 "
-                             f"bytes; got {raw.numel()} {raw.dtype}")
-        layer.blocks.copy_(raw.reshape(layer.blocks.shape))
+                             f"bytes; got {data.dtype} {tuple(data.shape)}")
+        if isinstance(data, np.ndarray):  # one copy, straight out of the reader's memory map
+            np.copyto(layer.blocks.numpy(), data.reshape(layer.blocks.shape))
+        else:
+            layer.blocks.copy_(data.reshape(layer.blocks.shape))
         if bias is not None:
             layer.bias.data.copy_(bias.reshape(out_features))
         return layer
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, qtype: str | int, backend: Backend | None = None) -> QuantLinear:
+        """``linear`` quantised to ``qtype`` with llama.cpp's own rounding (gguf.quants.quantize), as a GGUF file
+        of it would hold it."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize
+
+        fmt = quant_format(qtype)
+        raw = quantize(linear.weight.detach().float().cpu().numpy(), GGMLQuantizationType(fmt.ggml_type))
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        return cls.from_gguf(fmt.ggml_type, raw, (linear.out_features, linear.in_features), bias, backend)
 
     def select_rows(self, index: torch.Tensor) -> QuantLinear:
         """The layer of output features ``index`` (a permutation, e.g. llama.cpp's Q/K row order undone, or a
