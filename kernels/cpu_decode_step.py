@@ -40,6 +40,10 @@ class QuantWeight:
     qtype: str | int
 
 
+def _out_features(w: torch.Tensor | QuantWeight) -> int:
+    return (w if isinstance(w, torch.Tensor) else w.blocks).shape[0]
+
+
 def _matrix(w: torch.Tensor | QuantWeight, shape: tuple[int, int]) -> tuple[torch.Tensor, int]:
     """A projection as (the tensor the kernel reads, its GGML type id: 0 for fp32); ValueError on a misfit."""
     if isinstance(w, torch.Tensor):
@@ -90,7 +94,7 @@ class LayerWeights:
 
     def __init__(self, *, ln1, wq, wk, wv, wo, ln2, wg, wu, wd, bq=None, bk=None, bv=None, n_heads: int,
                  n_kv_heads: int, head_dim: int, eps: float, scale: float, window: int = 0):
-        dim, ffn = ln1.shape[0], wg.shape[0]
+        dim, ffn = ln1.shape[0], _out_features(wg)
         nq, nkv = n_heads * head_dim, n_kv_heads * head_dim
         shapes = dict(ln1=(dim,), wq=(nq, dim), wk=(nkv, dim), wv=(nkv, dim), wo=(dim, nq), ln2=(dim,),
                       wg=(ffn, dim), wu=(ffn, dim), wd=(dim, ffn), bq=(nq,), bk=(nkv,), bv=(nkv,))
@@ -117,8 +121,7 @@ class StepKernel:
             raise ValueError("decode step: every layer must have the same width")
         self._layers = layers  # keeps the weights the structs point into alive
         self._embed, self._norm = _fp32(embed, (embed.shape[0], dim)), _fp32(norm, (dim,))
-        vocab = (head.shape if isinstance(head, torch.Tensor) else head.blocks.shape)[0]
-        self._head, self._head_type = _matrix(head, (vocab, dim))
+        self._head, self._head_type = _matrix(head, (_out_features(head), dim))
         self._eps = eps
         self._widths = (dim, dim, n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim,
                         n_heads * head_dim, ffn)  # x, h, q, k, v, att, act
