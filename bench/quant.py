@@ -2,9 +2,9 @@
 
     .venv/bin/python bench/quant.py [--gguf PATH] [--threads 2] [--repeats 5] [--tokens 64]
 
-(a) every matrix shape of the file at decode size (1 row): the C quant GEMV on the file's blocks against the fp32
-    GEMV on the same weights dequantised; microseconds, the bytes each one streams per second, and both as a share
-    of the copy bandwidth measured in the same run;
+(a) every kind of matrix of the file at decode size (1 row), each layer's in turn as in a decode step: the C quant
+    GEMV on the file's blocks against the fp32 GEMV on the same weights dequantised; microseconds, and the bytes
+    each streams per second, next to the copy bandwidth measured in the same run;
 (b) rows at which dequantise-then-sgemm overtakes the quant GEMV (kernels.cpu_quant.GEMV_MAX_ROWS);
 (c) batch-1 greedy decode (tokens/s) of a model of the file's shapes holding its bytes: the fused C decode step with
     quantised weights, the per-layer path with quantised weights, and the fused step on fp32 weights. Speed only: the
@@ -149,25 +149,31 @@ def decode_intervals(model: LlamaForCausalLM, fused: bool, tokens: int) -> list[
 
 
 def gemv_table(tensors: dict, repeats: int) -> None:
-    shapes: dict[tuple, tuple] = {}
+    """Each kind of matrix (attn_q, ffn_up, ..., token_embd) multiplied by one row in every layer in turn, as a
+    decode step does: 30 layers of a kind are 6-106 MB in fp32, more than the caches keep between two steps."""
+    kinds: dict[str, list] = {}
     for name, (qtype, data, shape) in tensors.items():
-        if qtype in FORMATS and (qtype, shape) not in shapes:
-            shapes[(qtype, shape)] = (name, data)
+        if qtype in FORMATS:
+            kinds.setdefault(name.split(".", 2)[-1] if name.startswith("blk.") else name, []).append(
+                (qtype, data, shape))
     copy = copy_bandwidth_gbs()
-    print(f"(a) decode GEMV, 1 row; copy bandwidth {copy:.1f} GB/s (read + write)")
-    print(f"{'matrix':<26}{'type':<6}{'quant us':>22}{'fp32 us':>22}{'quant GB/s':>12}{'fp32 GB/s':>11}"
-          f"{'q/fp32 time':>13}")
-    for (qtype, (n, k)), (name, data) in shapes.items():
-        blocks = torch.from_numpy(np.array(data))
-        dense = dequantize(blocks, qtype, k)
+    print(f"(a) decode GEMV, 1 row, every layer's matrix in turn (us per matrix); copy bandwidth {copy:.1f} GB/s "
+          "(read + write)")
+    print(f"{'matrix':<26}{'type':<6}{'quant us':>18}{'fp32 us':>18}{'quant GB/s':>12}{'fp32 GB/s':>11}"
+          f"{'fp32/quant time':>17}")
+    for kind, mats in kinds.items():
+        qtype, _, (n, k) = mats[0]
+        blocks = [torch.from_numpy(np.array(data)) for _, data, _ in mats]
+        dense = [dequantize(b, qtype, k) for b in blocks]
         x = torch.randn(1, k)
-        calls = repeats * max(3, int(5e7 / (n * k * 4)))
-        tq = timed(lambda x=x, b=blocks, q=qtype: cpu_quant.linear(x, b, q), calls)
-        tf = timed(lambda x=x, w=dense: cpu_gemv.gemv(x, w), calls)
+        sweeps = repeats * max(2, int(2e8 / (len(mats) * n * k * 4)))
+        tq = [t / len(mats) for t in timed(lambda x=x, bs=blocks, q=qtype: [cpu_quant.linear(x, b, q) for b in bs],
+                                           sweeps)]
+        tf = [t / len(mats) for t in timed(lambda x=x, ws=dense: [cpu_gemv.gemv(x, w) for w in ws], sweeps)]
         mq, mf = min(tq), min(tf)
-        label = name.removeprefix("blk.0.").removesuffix(".weight") + f" ({n}x{k})"
-        print(f"{label:<26}{qtype:<6}{fmt(tq, 1e6):>22}{fmt(tf, 1e6):>22}{blocks.numel() / mq / 1e9:>12.1f}"
-              f"{dense.numel() * 4 / mf / 1e9:>11.1f}{mq / mf:>13.2f}")
+        label = f"{kind.removesuffix('.weight')} ({n}x{k})" + (f" x{len(mats)}" if len(mats) > 1 else "")
+        print(f"{label:<26}{qtype:<6}{fmt(tq, 1e6):>18}{fmt(tf, 1e6):>18}{blocks[0].numel() / mq / 1e9:>12.1f}"
+              f"{dense[0].numel() * 4 / mf / 1e9:>11.1f}{mf / mq:>17.2f}")
 
 
 def crossover(tensors: dict, repeats: int) -> None:
