@@ -15,9 +15,9 @@ import triton
 import triton.language as tl
 
 from kernels._runtime import dot_precision, upcast_for_interpreter
-from shared.blocks.quant_formats import BLOCK, quant_format, row_bytes
+from shared.blocks.quant_formats import BLOCK, FORMATS, quant_format, row_bytes
 
-_Q4_0, _Q4_1, _Q8_0 = 2, 3, 8  # GGML type ids
+__all__ = ["FORMATS", "quant_linear"]
 
 
 @triton.jit

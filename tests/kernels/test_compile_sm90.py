@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 SM90_MAX_SHARED = 232448
 # Stack bytes per thread above this are register spills to local memory in the inner loop.
 MAX_STACK_BYTES = 64
-EXPECTED = ("flash_attention[", "paged_decode[", "paged_decode_merge", "rms_norm[", "rope[")
+EXPECTED = ("flash_attention[", "paged_decode[", "paged_decode_merge", "rms_norm[", "rope[", "quant_matmul[")
 
 
 @pytest.fixture(scope="module")
