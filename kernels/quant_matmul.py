@@ -3,9 +3,10 @@ dequantised tile by tile inside the matmul: the weight crosses memory as the fil
 in registers.
 
 Each program computes a (BLOCK_M, BLOCK_N) tile of y. Per BLOCK_K step it gathers, for each of its BLOCK_N weight
-rows, the bytes of BLOCK_K / 32 blocks: the fp16 scale (and Q4_1's minimum) from two bytes each (blocks are 18, 20
-or 34 bytes long, so a scale may sit at an odd address), and each weight's quant (Q4: the low nibble of byte t for
-t < 16, the high nibble of byte t - 16 otherwise). The dequantised tile goes into ``tl.dot`` in x's dtype.
+rows, the bytes of BLOCK_K / 32 blocks: the fp16 scale (and Q4_1's minimum) once per block, from two bytes (blocks
+are 18, 20 or 34 bytes long, so a scale may sit at an odd address), and each weight's quant (Q4: the low nibble of
+byte t for t < 16, the high nibble of byte t - 16 otherwise). The dequantised tile goes into ``tl.dot`` in x's
+dtype.
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ def _half(ptr, mask):
 
 
 @triton.jit
+def _per_weight(v, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(BLOCK_N, BLOCK_K / 32) per-block values -> (BLOCK_N, BLOCK_K), each repeated over its block's 32 weights."""
+    return tl.reshape(tl.broadcast_to(v[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)), (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
 def _quant_matmul_kernel(
     X, W, B, Y,
     M, N, K, stride_xm, stride_ym, row_bytes,
@@ -46,18 +53,22 @@ def _quant_matmul_kernel(
         k_ok = offs_k < K
         x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
                     other=0.0)  # (BLOCK_M, BLOCK_K)
-        # -- the blocks under this K step: scale, minimum, quants, per (row, k) --
-        block = rows + (offs_k // 32)[None, :] * BLOCK_BYTES  # (BLOCK_N, BLOCK_K) pointers to block starts
+        # -- the BLOCK_K / 32 blocks under this K step: scale and minimum once per (row, block) --
+        offs_b = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        heads = rows + offs_b[None, :] * BLOCK_BYTES  # (BLOCK_N, BLOCK_K / 32) pointers to block starts
+        ok_b = n_ok[:, None] & (offs_b < K // 32)[None, :]
+        d = _per_weight(_half(heads, ok_b), BLOCK_N, BLOCK_K)  # (BLOCK_N, BLOCK_K)
+        # -- each weight's quant: byte t of the block (Q8_0), or a nibble of byte t % 16 (Q4) --
+        block = rows + (offs_k // 32)[None, :] * BLOCK_BYTES  # (BLOCK_N, BLOCK_K)
         t = (offs_k % 32)[None, :]
         ok = n_ok[:, None] & k_ok[None, :]
-        d = _half(block, ok)
         if QTYPE == 8:
             q = tl.load(block + 2 + t, mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
             w = d * q
         else:
             qs = tl.load(block + (4 if QTYPE == 3 else 2) + t % 16, mask=ok, other=0)
             q = tl.where(t < 16, qs & 15, qs >> 4).to(tl.float32)
-            m = _half(block + 2, ok) if QTYPE == 3 else -8.0 * d
+            m = _per_weight(_half(heads + 2, ok_b), BLOCK_N, BLOCK_K) if QTYPE == 3 else -8.0 * d
             w = d * q + m  # (BLOCK_N, BLOCK_K)
         # -- accumulate x W^T --
         if UPCAST:

@@ -72,4 +72,5 @@ def test_quantised_engine_generates_the_tokens_of_its_dequantised_weights(direct
         engine.runner.allocate_kv_cache(engine.blocks.num_blocks, 4)
         assert engine.runner.fused is not None
     greedy = SamplingParams(max_tokens=24, temperature=0)
-    assert [r[1] for r in quant.generate_batch(PROMPTS, greedy)] == [r[1] for r in dense.generate_batch(PROMPTS, greedy)]
+    tokens = [[r[1] for r in engine.generate_batch(PROMPTS, greedy)] for engine in (quant, dense)]
+    assert tokens[0] == tokens[1]
