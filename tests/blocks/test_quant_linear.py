@@ -34,10 +34,12 @@ def test_dequantize_is_bit_exact_with_gguf(qtype):
     assert torch.equal(dequantize(torch.from_numpy(raw), GGMLQuantizationType[qtype], 160), expected)  # by id
 
 
-@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton", "auto"])
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 37])
 def test_quant_linear_is_the_dense_product_of_its_dequantised_weight(backend, qtype, rows):
+    """Triton runs compiled on a GPU when there is one, else in the interpreter (tests/conftest.py)."""
+    dev = "cuda" if backend in ("triton", "auto") and torch.cuda.is_available() else "cpu"
     raw, w = _raw(qtype, 48, 96, seed=rows)
     bias = torch.randn(48)
     layer = QuantLinear.from_gguf(GGMLQuantizationType[qtype], raw, (48, 96), bias, backend=get_backend(backend))
@@ -45,8 +47,9 @@ def test_quant_linear_is_the_dense_product_of_its_dequantised_weight(backend, qt
     assert not any(t.is_floating_point() and t.numel() == 48 * 96 for t in layer.state_dict().values())
     x = torch.randn(2, rows, 96)
     with torch.no_grad():
-        torch.testing.assert_close(layer(x), F.linear(x, w, bias), atol=2e-5, rtol=1e-5)
-    assert torch.equal(layer.dequantized_weight(), w)
+        y = layer.to(dev)(x.to(dev)).cpu()
+    torch.testing.assert_close(y, F.linear(x, w, bias), atol=2e-5, rtol=1e-5)
+    assert torch.equal(layer.dequantized_weight().cpu(), w)
 
 
 def test_from_linear_quantises_as_llama_cpp_and_select_rows_moves_whole_rows():
