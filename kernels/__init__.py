@@ -1,10 +1,12 @@
 """Kernels: Triton on GPUs, C (and prepared oneDNN calls) on CPUs.
 
-- Triton (GPU): flash attention (prefill), paged decode attention, fused RMSNorm, RoPE. On machines without a GPU
-  they run under TRITON_INTERPRET=1 (tests only; the services use torch there).
+- Triton (GPU): flash attention (prefill), paged decode attention, fused RMSNorm, RoPE, and the matmul with GGUF
+  Q8_0/Q4_0/Q4_1 weights dequantised in registers (quant_matmul). On machines without a GPU they run under
+  TRITON_INTERPRET=1 (tests only; the services use torch there).
 - C (CPU, csrc/, built on first use by _cpu_library.py): `cpu_gemv` (decode-sized matrix products),
-  `cpu_paged_decode` (paged decode attention), `cpu_decode_step` (a whole text decode step: every layer, the final
-  norm and the LM head) and `cpu_group_norm` (GroupNorm + SiLU for the image models).
+  `cpu_paged_decode` (paged decode attention), `cpu_quant` (products with GGUF Q8_0/Q4_0/Q4_1 weights, dequantised
+  in registers), `cpu_decode_step` (a whole text decode step: every layer, the final norm and the LM head) and
+  `cpu_group_norm` (GroupNorm + SiLU for the image models).
 - `cpu_conv`: small convolutions on oneDNN with the weight reordered once, not on every call.
 
 Model code never imports this package: `shared/blocks/backend.py` calls the per-op kernels, and the text engine's
@@ -13,7 +15,8 @@ CPU runner (`services/text/runners/cpu.py`) the fused step.
 
 from kernels.flash_attention import flash_attention
 from kernels.paged_attention import paged_decode_attention
+from kernels.quant_matmul import quant_linear
 from kernels.rms_norm import rms_norm
 from kernels.rope import apply_rope
 
-__all__ = ["apply_rope", "flash_attention", "paged_decode_attention", "rms_norm"]
+__all__ = ["apply_rope", "flash_attention", "paged_decode_attention", "quant_linear", "rms_norm"]

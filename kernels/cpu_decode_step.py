@@ -1,5 +1,7 @@
 """A whole decode step of a Llama-family model for a CPU engine's decode tokens in one call (csrc/decode_step.c),
 fp32: the embedding lookup, every layer, the final RMSNorm and the LM head, without leaving one OpenMP region.
+Each projection and the LM head is an fp32 tensor or a ``QuantWeight``: a GGUF checkpoint's Q8_0/Q4_0/Q4_1 blocks,
+dequantised inside the products.
 
 ``LayerWeights`` holds one layer's weights (pointers into the model's own tensors, which it keeps alive);
 ``StepKernel`` all layers plus the embedding, the final norm and the head, and reusable scratch per batch size.
@@ -10,17 +12,50 @@ returns the logits: after the C call returns, the only tensor op of a step is al
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
 from kernels._cpu_library import library, threads
+from shared.blocks.quant_formats import quant_format, row_bytes
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
+_MATRICES = ("wq", "wk", "wv", "wo", "wg", "wu", "wd")  # the order of the C struct's types[]
+
+
 class _LayerWeights(ctypes.Structure):
     _fields_ = [(n, _P) for n in ("ln1", "wq", "wk", "wv", "bq", "bk", "bv", "wo", "ln2", "wg", "wu", "wd")] + \
-               [(n, _I64) for n in ("dim", "hq", "hkv", "d", "ffn", "window")] + [("eps", _F32), ("scale", _F32)]
+               [(n, _I64) for n in ("dim", "hq", "hkv", "d", "ffn", "window")] + [("eps", _F32), ("scale", _F32)] + \
+               [("types", ctypes.c_int32 * len(_MATRICES))]
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A weight matrix (out_features, in_features) kept as GGUF blocks: ``blocks`` uint8 (out, row bytes),
+    ``qtype`` a name or GGML type id of shared/blocks/quant_formats.py."""
+
+    blocks: torch.Tensor
+    qtype: str | int
+
+
+def _out_features(w: torch.Tensor | QuantWeight) -> int:
+    return (w if isinstance(w, torch.Tensor) else w.blocks).shape[0]
+
+
+def _matrix(w: torch.Tensor | QuantWeight, shape: tuple[int, int]) -> tuple[torch.Tensor, int]:
+    """A projection as (the tensor the kernel reads, its GGML type id: 0 for fp32); ValueError on a misfit."""
+    if isinstance(w, torch.Tensor):
+        return _fp32(w, shape), 0
+    fmt = quant_format(w.qtype)
+    blocks = w.blocks
+    expected = (shape[0], row_bytes(fmt, shape[1]))
+    if blocks.dtype != torch.uint8 or blocks.device.type != "cpu" or not blocks.is_contiguous() or \
+            tuple(blocks.shape) != expected:
+        raise ValueError(f"decode step: expected contiguous uint8 {fmt.name} blocks of shape {expected} on the CPU, "
+                         f"got {blocks.dtype} {tuple(blocks.shape)} on {blocks.device}")
+    return blocks, fmt.ggml_type
 
 
 class _StepInputs(ctypes.Structure):
@@ -54,34 +89,39 @@ def available() -> bool:
 
 class LayerWeights:
     """One layer's weights: RMSNorm gains ln1/ln2 (dim,), q/k/v/o projections (biases only on q/k/v, optional),
-    SwiGLU gate/up (ffn, dim) and down (dim, ffn); ``window`` > 0 is a sliding attention window."""
+    SwiGLU gate/up (ffn, dim) and down (dim, ffn), each matrix fp32 or a ``QuantWeight``; ``window`` > 0 is a
+    sliding attention window."""
 
     def __init__(self, *, ln1, wq, wk, wv, wo, ln2, wg, wu, wd, bq=None, bk=None, bv=None, n_heads: int,
                  n_kv_heads: int, head_dim: int, eps: float, scale: float, window: int = 0):
-        dim, ffn = ln1.shape[0], wg.shape[0]
+        dim, ffn = ln1.shape[0], _out_features(wg)
         nq, nkv = n_heads * head_dim, n_kv_heads * head_dim
         shapes = dict(ln1=(dim,), wq=(nq, dim), wk=(nkv, dim), wv=(nkv, dim), wo=(dim, nq), ln2=(dim,),
                       wg=(ffn, dim), wu=(ffn, dim), wd=(dim, ffn), bq=(nq,), bk=(nkv,), bv=(nkv,))
         given = dict(ln1=ln1, wq=wq, wk=wk, wv=wv, bq=bq, bk=bk, bv=bv, wo=wo, ln2=ln2, wg=wg, wu=wu, wd=wd)
-        self._keep = {name: _fp32(t, shapes[name]) for name, t in given.items()}
+        typed = {name: _matrix(t, shapes[name]) if name in _MATRICES else (_fp32(t, shapes[name]), 0)
+                 for name, t in given.items()}
+        self._keep = {name: t for name, (t, _) in typed.items()}
         self.dim = dim
+        types = (ctypes.c_int32 * len(_MATRICES))(*(typed[name][1] for name in _MATRICES))
         self.struct = _LayerWeights(*(_ptr(t) for t in self._keep.values()), dim, n_heads, n_kv_heads, head_dim,
-                                    ffn, window, eps, scale)
+                                    ffn, window, eps, scale, types)
 
 
 class StepKernel:
     """All layers between the embedding (vocab, dim) and the final RMSNorm (gain ``norm`` (dim,), ``eps``) + LM
-    head (vocab, dim), no bias; RoPE tables cos/sin (n_positions, head_dim / 2) in the rotate-half layout. One
-    caller at a time (the engine loop): the scratch and the step struct are shared by every call."""
+    head (vocab, dim; fp32 or a ``QuantWeight``), no bias; RoPE tables cos/sin (n_positions, head_dim / 2) in the
+    rotate-half layout. One caller at a time (the engine loop): the scratch and the step struct are shared by every
+    call."""
 
     def __init__(self, layers: list[LayerWeights], *, embed: torch.Tensor, norm: torch.Tensor, eps: float,
-                 head: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int, ffn: int):
+                 head: torch.Tensor | QuantWeight, n_heads: int, n_kv_heads: int, head_dim: int, ffn: int):
         dim = layers[0].dim
         if any(layer.dim != dim for layer in layers):
             raise ValueError("decode step: every layer must have the same width")
         self._layers = layers  # keeps the weights the structs point into alive
         self._embed, self._norm = _fp32(embed, (embed.shape[0], dim)), _fp32(norm, (dim,))
-        self._head = _fp32(head, (head.shape[0], dim))
+        self._head, self._head_type = _matrix(head, (_out_features(head), dim))
         self._eps = eps
         self._widths = (dim, dim, n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim,
                         n_heads * head_dim, ffn)  # x, h, q, k, v, att, act
@@ -143,8 +183,8 @@ class StepKernel:
         keys, values = self._cache_arrays(k_caches, v_caches)
         logits = torch.empty(m, self._head.shape[0])
         args = (ctypes.addressof(self._structs), len(self._layers), ctypes.addressof(step), keys, values,
-                x.data_ptr(), self._norm.data_ptr(), self._eps, self._head.data_ptr(), self._head.shape[0],
-                logits.data_ptr())
+                x.data_ptr(), self._norm.data_ptr(), self._eps, self._head.data_ptr(), self._head_type,
+                self._head.shape[0], logits.data_ptr())
         out = None
         if steps is None:  # one step, sampled by the caller
             status = library().decode_step_f32(*args, threads())

@@ -8,19 +8,31 @@
  * A decode step reads every weight once, so its floor is memory bandwidth; run op by op, the hundred small tensor
  * ops per layer around the matrix-vector products cost as much again. Here the threads stay in one OpenMP region
  * for the whole step and split each phase (output features, or (token, head) pairs for attention), with a barrier
- * between phases.
+ * between phases. Activations are fp32; each projection and the LM head may instead keep a GGUF checkpoint's
+ * Q8_0/Q4_0/Q4_1 blocks, dequantised in registers inside the product (quant.h), so the step streams the file's bytes.
  * RoPE is the rotate-half layout, cos/sin tables of (D/2) rows indexed by position. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* What stays fixed for a layer: weights as (out, in) row-major like nn.Linear (biases may be NULL), sizes. */
+#include "quant.h"
+
+/* What stays fixed for a layer: weights as (out, in) row-major like nn.Linear (biases may be NULL), sizes. A
+ * projection matrix is fp32 or GGUF blocks (quant.h); types[] holds the GGML type of wq, wk, wv, wo, wg, wu, wd. */
 typedef struct {
-    const float *ln1, *wq, *wk, *wv, *bq, *bk, *bv, *wo, *ln2, *wg, *wu, *wd;
+    const float *ln1;
+    const void *wq, *wk, *wv;
+    const float *bq, *bk, *bv;
+    const void *wo;
+    const float *ln2;
+    const void *wg, *wu, *wd;
     int64_t dim, hq, hkv, d, ffn, window;
     float eps, scale;
+    int32_t types[7];
 } LayerWeights;
+
+enum { TQ, TK, TV, TO, TG, TU, TD };
 
 /* What one step shares across layers: per token its id, position, flat cache slot, block table row and context
  * length (incl. the token); the embedding (vocab, dim) and the RoPE tables (n_positions, D/2), read at each token's
@@ -38,6 +50,31 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 #pragma omp simd reduction(+ : acc)
     for (int64_t i = 0; i < n; i++) acc += a[i] * b[i];
     return acc;
+}
+
+/* Rows dotted with one weight row at a time, in tiles of this many rows (a stack buffer per tile). */
+#define TILE 16
+
+/* out[i * ostride] = x_i . row j of w (type: fp32, or GGUF blocks dequantised in registers) for the m <= TILE rows
+ * x_i = x + i * xstride. */
+static inline void rows_dot(const void *w, int type, int64_t j, int64_t k, const float *x, int64_t xstride,
+                            int64_t m, float *out, int64_t ostride) {
+    if (type == QTYPE_F32) {
+        for (int64_t i = 0; i < m; i++) out[i * ostride] = dot(x + i * xstride, (const float *)w + j * k, k);
+    } else {
+        qdot_rows(type, (const uint8_t *)w + j * (k / QK * qblock_bytes(type)), x, xstride, m, k, out, ostride);
+    }
+}
+
+/* Adds x_i . row j of w to acc[i * astride] for every one of the m rows, TILE at a time. */
+static inline void rows_dot_add(const void *w, int type, int64_t j, int64_t k, const float *x, int64_t m,
+                                float *acc, int64_t astride) {
+    float t[TILE];
+    for (int64_t i0 = 0; i0 < m; i0 += TILE) {
+        const int64_t n = m - i0 < TILE ? m - i0 : TILE;
+        rows_dot(w, type, j, k, x + i0 * k, k, n, t, 1);
+        for (int64_t i = 0; i < n; i++) acc[(i0 + i) * astride] += t[i];
+    }
 }
 
 static void rms_norm_rows(const float *x, const float *w, float *out, int64_t m, int64_t dim, float eps) {
@@ -94,13 +131,15 @@ static void layer(const LayerWeights *W, const StepInputs *S, float *k_cache, fl
     /* q, k, v: one loop over the concatenated output features, so the threads share the load evenly */
 #pragma omp for schedule(dynamic, ROWS_PER_CHUNK)
     for (int64_t j = 0; j < nq + 2 * nkv; j++) {
-        const float *w = W->wq, *b = W->bq;
+        const void *w = W->wq;
+        const float *b = W->bq;
+        int type = W->types[TQ];
         float *out = S->q;
         int64_t jj = j, width = nq;
-        if (j >= nq + nkv) { w = W->wv; b = W->bv; out = S->v; jj = j - nq - nkv; width = nkv; }
-        else if (j >= nq) { w = W->wk; b = W->bk; out = S->k; jj = j - nq; width = nkv; }
-        for (int64_t i = 0; i < m; i++)
-            out[i * width + jj] = dot(S->h + i * dim, w + jj * dim, dim) + (b ? b[jj] : 0.f);
+        if (j >= nq + nkv) { w = W->wv; b = W->bv; type = W->types[TV]; out = S->v; jj = j - nq - nkv; width = nkv; }
+        else if (j >= nq) { w = W->wk; b = W->bk; type = W->types[TK]; out = S->k; jj = j - nq; width = nkv; }
+        for (int64_t i = 0; i < m; i++) out[i * width + jj] = b ? b[jj] : 0.f;
+        rows_dot_add(w, type, jj, dim, S->h, m, out + jj, width);
     }
     /* RoPE on every query and key head; a rotated key head goes straight into the cache with its value head */
 #pragma omp for schedule(static)
@@ -122,19 +161,20 @@ static void layer(const LayerWeights *W, const StepInputs *S, float *k_cache, fl
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < m * W->hq; p++) attend(W, S, k_cache, v_cache, p / W->hq, p % W->hq, scores);
 #pragma omp for schedule(dynamic, ROWS_PER_CHUNK)
-    for (int64_t j = 0; j < dim; j++)
-        for (int64_t i = 0; i < m; i++) x[i * dim + j] += dot(S->att + i * nq, W->wo + j * nq, nq);
+    for (int64_t j = 0; j < dim; j++) rows_dot_add(W->wo, W->types[TO], j, nq, S->att, m, x + j, dim);
 #pragma omp single
     rms_norm_rows(x, W->ln2, S->h, m, dim, W->eps);
 #pragma omp for schedule(dynamic, ROWS_PER_CHUNK)
     for (int64_t j = 0; j < ffn; j++)
-        for (int64_t i = 0; i < m; i++) {
-            const float gate = dot(S->h + i * dim, W->wg + j * dim, dim);
-            S->act[i * ffn + j] = gate / (1.f + expf(-gate)) * dot(S->h + i * dim, W->wu + j * dim, dim);
+        for (int64_t i0 = 0; i0 < m; i0 += TILE) {
+            const int64_t n = m - i0 < TILE ? m - i0 : TILE;
+            float gate[TILE], up[TILE];
+            rows_dot(W->wg, W->types[TG], j, dim, S->h + i0 * dim, dim, n, gate, 1);
+            rows_dot(W->wu, W->types[TU], j, dim, S->h + i0 * dim, dim, n, up, 1);
+            for (int64_t i = 0; i < n; i++) S->act[(i0 + i) * ffn + j] = gate[i] / (1.f + expf(-gate[i])) * up[i];
         }
 #pragma omp for schedule(dynamic, ROWS_PER_CHUNK)
-    for (int64_t j = 0; j < dim; j++)
-        for (int64_t i = 0; i < m; i++) x[i * dim + j] += dot(S->act + i * ffn, W->wd + j * ffn, ffn);
+    for (int64_t j = 0; j < dim; j++) rows_dot_add(W->wd, W->types[TD], j, ffn, S->act, m, x + j, dim);
 }
 
 static int64_t longest_context(const StepInputs *S) {
@@ -163,12 +203,12 @@ static float *scratch(int64_t n, int *failed) {
 }
 
 /* A whole decode step: the embedding lookup into x (M, dim), every layer (caches k_caches[l], v_caches[l]), the final
- * RMSNorm (norm, eps) and the LM head (vocab, dim) into logits (M, vocab), in one parallel region, so the threads
- * never leave it between layers. x ends as the last hidden state. 0; -1 when the attention scratch cannot be
+ * RMSNorm (norm, eps) and the LM head (vocab, dim; fp32 or GGUF blocks of head_type) into logits (M, vocab), in one
+ * parallel region, so the threads never leave it between layers. x ends as the last hidden state. 0; -1 when the attention scratch cannot be
  * allocated; -2 when a token id or a position is outside the embedding or the RoPE tables (nothing is written). */
 int decode_step_f32(const LayerWeights *layers, int64_t n_layers, const StepInputs *S, float *const *k_caches,
-                    float *const *v_caches, float *x, const float *norm, float eps, const float *head, int64_t vocab,
-                    float *logits, int threads) {
+                    float *const *v_caches, float *x, const float *norm, float eps, const void *head, int head_type,
+                    int64_t vocab, float *logits, int threads) {
     const int64_t longest = longest_context(S), m = S->m, dim = layers[0].dim;
     for (int64_t i = 0; i < m; i++)
         if (S->tokens[i] < 0 || S->tokens[i] >= S->vocab || S->positions[i] < 0 || S->positions[i] >= S->n_positions)
@@ -185,7 +225,7 @@ int decode_step_f32(const LayerWeights *layers, int64_t n_layers, const StepInpu
             rms_norm_rows(x, norm, S->h, m, dim, eps);
 #pragma omp for schedule(static)
             for (int64_t j = 0; j < vocab; j++)
-                for (int64_t i = 0; i < m; i++) logits[i * vocab + j] = dot(S->h + i * dim, head + j * dim, dim);
+                rows_dot(head, head_type, j, dim, S->h, dim, m, logits + j, vocab);
         }
         free(scores);
     }
@@ -209,8 +249,8 @@ static int64_t argmax_row(const float *v, int64_t n) {
  * n_steps - 1; a position past a table's width returns -2 before anything is computed, and the per-step checks of
  * decode_step_f32 apply (-1, -2). */
 int decode_steps_f32(const LayerWeights *layers, int64_t n_layers, const StepInputs *S, float *const *k_caches,
-                     float *const *v_caches, float *x, const float *norm, float eps, const float *head, int64_t vocab,
-                     float *logits, int64_t n_steps, int64_t *out_tokens, int threads) {
+                     float *const *v_caches, float *x, const float *norm, float eps, const void *head, int head_type,
+                     int64_t vocab, float *logits, int64_t n_steps, int64_t *out_tokens, int threads) {
     const int64_t m = S->m, bs = S->block_size;
     for (int64_t i = 0; i < m; i++)
         if (S->positions[i] < 0 || (S->positions[i] + n_steps - 1) / bs >= S->max_blocks) return -2;
@@ -229,8 +269,8 @@ int decode_steps_f32(const LayerWeights *layers, int64_t n_layers, const StepInp
     step.tokens = ids, step.positions = ids + m, step.slots = ids + 2 * m, step.lens = lens;
     int status = 0;
     for (int64_t s = 0; s < n_steps && !status; s++) {
-        status = decode_step_f32(layers, n_layers, &step, k_caches, v_caches, x, norm, eps, head, vocab, logits,
-                                 threads);
+        status = decode_step_f32(layers, n_layers, &step, k_caches, v_caches, x, norm, eps, head, head_type, vocab,
+                                 logits, threads);
         for (int64_t i = 0; i < m && !status; i++) {
             const int64_t token = argmax_row(logits + i * vocab, vocab), pos = ids[m + i] + 1;
             out_tokens[i * n_steps + s] = token;

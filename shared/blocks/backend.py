@@ -1,7 +1,7 @@
 """The single dispatch point between the building blocks and the compute that runs them.
 
 `get_backend(name=None)` returns a backend object; the name comes from the `GENSERVE_BACKEND` environment variable
-when not given: "auto" (default), "reference", "torch" or "triton". Every backend has the same eight methods (the
+when not given: "auto" (default), "reference", "torch" or "triton". Every backend has the same nine methods (the
 contract in docs/architecture.md):
 
 - attend(q, k, v, *, causal, sm_scale=None, window=0): q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D), Hq % Hkv == 0 (GQA
@@ -13,6 +13,8 @@ contract in docs/architecture.md):
 - rms_norm(x, weight, eps, residual=None): y, or (y, x + residual) with the norm taken of x + residual;
 - apply_rope(q, k, cos, sin, positions, *, interleaved=False): (q, k) rotated; cos/sin are (P, D/2) tables;
 - linear(x, weight, bias=None): y = x W^T + b, weight (N, K) as in nn.Linear;
+- quant_linear(x, blocks, qtype, bias=None): the same with W kept in GGUF's quantised blocks (Q8_0, Q4_0, Q4_1):
+  blocks uint8 (N, K / 32 * block bytes), qtype a name or GGML type id (shared/blocks/quant_formats.py);
 - conv2d(x, weight, bias=None, *, stride, padding, prepared=None): F.conv2d with dilation 1 and groups 1; `prepared`
   is the calling module's `PreparedWeights`, where a backend may keep the weight in the layout its compute wants;
 - group_norm(x, groups, weight=None, bias=None, eps=1e-5, *, silu=False): F.group_norm, then F.silu when `silu`;
@@ -23,8 +25,10 @@ contract in docs/architecture.md):
 package, and "auto" picks triton for CUDA tensors when triton is importable and no gradient is needed (the kernels
 are forward-only), and torch otherwise. On the CPU, "torch" runs the decode step's hot spots on the C kernels of
 the kernels package (kernels/cpu_gemv.py, kernels/cpu_paged_decode.py): matrix-vector products that stream weights
-at close to memory bandwidth where MKL does not, and paged attention in one call instead of a dozen tensor ops; and
-small convolutions on oneDNN with the weight reordered once instead of on every call (kernels/cpu_conv.py),
+at close to memory bandwidth where MKL does not, and paged attention in one call instead of a dozen tensor ops;
+products with GGUF-quantised weights that dequantise each block inside the matrix-vector loop (kernels/cpu_quant.py;
+"triton" runs kernels/quant_matmul.py for them); small convolutions on oneDNN with the weight reordered once instead
+of on every call (kernels/cpu_conv.py),
 GroupNorm + SiLU in one pass over either memory layout (kernels/cpu_group_norm.py), and a U-Net's whole spatial
 transformer in one call on the BLAS sgemm (kernels/cpu_spatial_transformer.py).
 Modules hold a backend and never branch on devices themselves.
@@ -40,6 +44,7 @@ import torch.nn.functional as F
 
 from shared.blocks import rope as _rope
 from shared.blocks.masks import causal_mask, sliding_window_mask
+from shared.blocks.quant_formats import dequantize
 from shared.blocks.sdpa import scaled_dot_product_attention
 
 BACKEND_NAMES = ("auto", "reference", "torch", "triton")
@@ -115,6 +120,9 @@ class ReferenceBackend:
     def linear(self, x, weight, bias=None) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
+    def quant_linear(self, x, blocks, qtype, bias=None) -> torch.Tensor:
+        return F.linear(x, dequantize(blocks, qtype, x.shape[-1]).to(x.dtype), bias)
+
     def conv2d(self, x, weight, bias=None, *, stride, padding, prepared=None) -> torch.Tensor:
         return F.conv2d(x, weight, bias, stride, padding)
 
@@ -177,6 +185,14 @@ class TorchBackend(ReferenceBackend):
             if cpu_gemv.supports(x, weight):
                 return cpu_gemv.gemv(x, weight, bias)
         return F.linear(x, weight, bias)
+
+    def quant_linear(self, x, blocks, qtype, bias=None) -> torch.Tensor:
+        if x.device.type == "cpu" and not _needs_grad(x, bias):
+            from kernels import cpu_quant
+
+            if cpu_quant.supports(x, blocks):
+                return cpu_quant.linear(x, blocks, qtype, bias)
+        return super().quant_linear(x, blocks, qtype, bias)
 
     def conv2d(self, x, weight, bias=None, *, stride, padding, prepared=None) -> torch.Tensor:
         if prepared is not None and x.device.type == "cpu" and not _needs_grad(x, weight, bias):
@@ -249,6 +265,9 @@ class TritonBackend:
     def linear(self, x, weight, bias=None) -> torch.Tensor:
         return F.linear(x, weight, bias)  # cuBLAS
 
+    def quant_linear(self, x, blocks, qtype, bias=None) -> torch.Tensor:
+        return self.kernels.quant_linear(x, blocks, qtype, bias)
+
     def conv2d(self, x, weight, bias=None, *, stride, padding, prepared=None) -> torch.Tensor:
         return F.conv2d(x, weight, bias, stride, padding)  # cuDNN
 
@@ -288,6 +307,9 @@ class AutoBackend:
 
     def linear(self, x, weight, bias=None) -> torch.Tensor:
         return self._pick(x).linear(x, weight, bias)
+
+    def quant_linear(self, x, blocks, qtype, bias=None) -> torch.Tensor:
+        return self._pick(x).quant_linear(x, blocks, qtype, bias)
 
     def conv2d(self, x, weight, bias=None, *, stride, padding, prepared=None) -> torch.Tensor:
         return self._pick(x).conv2d(x, weight, bias, stride=stride, padding=padding, prepared=prepared)

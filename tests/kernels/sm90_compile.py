@@ -26,6 +26,7 @@ from triton.compiler import ASTSource  # noqa: E402
 # kernels/__init__.py re-exports functions named like their modules, so fetch the modules themselves.
 fa = importlib.import_module("kernels.flash_attention")
 pa = importlib.import_module("kernels.paged_attention")
+qm = importlib.import_module("kernels.quant_matmul")
 rn = importlib.import_module("kernels.rms_norm")
 rp = importlib.import_module("kernels.rope")
 
@@ -143,9 +144,18 @@ def _elementwise_variants():
     yield "rope[one-token,mqa]", rp._rope_kernel, rope_ptrs, meta, 4, 1
 
 
+def _quant_variants():
+    pointers = {"X": "*bf16", "W": "*u8", "B": "*bf16", "Y": "*bf16"}
+    for name, fmt in qm.FORMATS.items():
+        for block_m in (16, 64):  # a decode batch, a prefill tile
+            meta = {"QTYPE": fmt.ggml_type, "BLOCK_BYTES": fmt.block_bytes, "HAS_BIAS": name == "Q8_0",
+                    "UPCAST": False, "DOT_PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64}
+            yield f"quant_matmul[{name},M{block_m}]", qm._quant_matmul_kernel, pointers, meta, 4, 3
+
+
 def main() -> int:
     for label, kernel, pointers, meta, num_warps, num_stages in (
-        *_flash_variants(), *_paged_variants(), *_elementwise_variants()
+        *_flash_variants(), *_paged_variants(), *_elementwise_variants(), *_quant_variants()
     ):
         try:
             print(json.dumps(_compile(label, kernel, pointers, meta, num_warps, num_stages)), flush=True)

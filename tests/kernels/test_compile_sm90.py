@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 SM90_MAX_SHARED = 232448
 # Stack bytes per thread above this are register spills to local memory in the inner loop.
 MAX_STACK_BYTES = 64
-EXPECTED = ("flash_attention[", "paged_decode[", "paged_decode_merge", "rms_norm[", "rope[")
+EXPECTED = ("flash_attention[", "paged_decode[", "paged_decode_merge", "rms_norm[", "rope[", "quant_matmul[")
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +48,8 @@ def test_flash_attention_uses_hopper_tensor_cores(compiled: list[dict]) -> None:
     assert flash and all(r["wgmma"] for r in flash), flash
 
 
-def test_attention_builds_do_not_spill_registers(compiled: list[dict]) -> None:
-    attention = [r for r in compiled if r["name"].startswith(("flash_attention[", "paged_decode["))]
+def test_attention_and_quant_builds_do_not_spill_registers(compiled: list[dict]) -> None:
+    attention = [r for r in compiled if r["name"].startswith(("flash_attention[", "paged_decode[", "quant_matmul["))]
     if any(r["stack"] is None for r in attention):
         pytest.skip("cuobjdump is not available to read register usage")
     spilling = {r["name"]: r["stack"] for r in attention if r["stack"] > MAX_STACK_BYTES}

@@ -1,10 +1,12 @@
 """The CPU model runner: prefill and mixed steps through ``LlamaForCausalLM.forward_paged`` (torch ops and the
 per-op C kernels behind the backend), decode-only steps of fp32 models through one fused C call per step
-(``kernels.cpu_decode_step``), and greedy lookahead: several decode steps per call, the argmax fed back in C.
+(``kernels.cpu_decode_step``), and greedy lookahead: several decode steps per call, the argmax fed back in C. The
+projections and the LM head may keep a GGUF checkpoint's Q8_0/Q4_0/Q4_1 blocks (``QuantLinear``): the fused step then
+dequantises them inside its products.
 
 A decode step reads every weight once; op by op in PyTorch, the small tensor ops around the matrix-vector products
 cost about as much again as the products themselves, hence the fused step. It applies to fp32 Llama-family models
-with SwiGLU FFNs and rotate-half RoPE; anything else (quantised weights, gated attention, the parallel block, MoE,
+with SwiGLU FFNs and rotate-half RoPE; anything else (int8 or bf16 weights, gated attention, the parallel block, MoE,
 interleaved RoPE, a biased LM head, or no C compiler) keeps ``forward_paged``.
 """
 
@@ -21,14 +23,24 @@ from services.text.engine.sampler import SampleRow, sample_batch
 from services.text.model import LlamaForCausalLM
 from services.text.paged import PagedBatch
 from shared.blocks.ffn import SwiGLU
+from shared.blocks.quant_linear import QuantLinear
 
 # The fused kernel's products run row by row: past this many tokens, blocked GEMMs (forward_paged) win.
 FUSED_MAX_TOKENS = 16
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 
 
-def _weight(linear: nn.Module) -> torch.Tensor:
+def _weight(linear: nn.Module) -> torch.Tensor | cpu_decode_step.QuantWeight:
+    if isinstance(linear, QuantLinear):
+        return cpu_decode_step.QuantWeight(linear.blocks, linear.qtype)
     return linear.weight.detach()
+
+
+def _fused_matrix(linear: nn.Module) -> bool:
+    """A product the fused kernel reads: an fp32 nn.Linear or a GGUF-quantised QuantLinear, on the CPU."""
+    if isinstance(linear, QuantLinear):
+        return linear.blocks.device.type == "cpu"
+    return isinstance(linear, nn.Linear) and linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu"
 
 
 def _bias(linear: nn.Module) -> torch.Tensor | None:
@@ -66,16 +78,14 @@ class FusedDecodeStep:
         cfg, head = model.config, model.lm_head
         if cfg.gated_attention or cfg.parallel_block or cfg.n_experts:
             return False
-        if (not isinstance(head, nn.Linear) or head.bias is not None or head.weight.dtype != torch.float32
-                or head.weight.device.type != "cpu" or model.model.embed_tokens.weight.dtype != torch.float32):
+        if not _fused_matrix(head) or head.bias is not None or model.model.embed_tokens.weight.dtype != torch.float32:
             return False
         for layer in model.model.layers:
             attn = layer.self_attn
             projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, layer.mlp.gate_proj,
                            layer.mlp.up_proj, layer.mlp.down_proj) if isinstance(layer.mlp, SwiGLU) else ()
             if (attn.rope_interleaved or attn.o_proj.bias is not None or not projections
-                    or any(not isinstance(p, nn.Linear) or p.weight.dtype != torch.float32
-                           or p.weight.device.type != "cpu" for p in projections)):
+                    or not all(map(_fused_matrix, projections))):
                 return False
         return True
 
