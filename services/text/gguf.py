@@ -2,8 +2,9 @@
 
 A `.gguf` file, or a directory holding one, gives the model config (from the `<arch>.*` metadata), the weights under
 Hugging Face names, and the tokenizer and chat template (services/text/gguf_tokenizer.py). Architectures: `llama`
-(Llama and Mistral, which llama.cpp converts as `llama`) and `qwen2`. `tensor_weight` is the one place that decides
-what each tensor becomes; today every supported type is dequantized to the served dtype.
+(Llama and Mistral, which llama.cpp converts as `llama`) and `qwen2`. `tensor_weight` dequantizes a tensor to the
+served dtype; with ``keep_quantized``, `GGUFCheckpoint.quantized_linears` instead hands the projection matrices
+stored as Q8_0/Q4_0/Q4_1 to the loader as the file's own blocks (shared/blocks/quant_linear.py), never as floats.
 
 llama.cpp's converter permutes the rows of `attn_q`/`attn_k` for the `llama` architecture (its rotary pairs are
 interleaved, HF's are the two halves of each head); `unpermute_rows` undoes that. `qwen2` files are not permuted.
@@ -31,6 +32,8 @@ ARCHITECTURES = {
 }
 Q = GGMLQuantizationType
 SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+# Served as the file's own blocks (QuantLinear) when kept quantized; K-quants are dequantized.
+KEPT_QUANTIZED = frozenset({Q.Q8_0, Q.Q4_0, Q.Q4_1})
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -87,9 +90,12 @@ def tensor_weight(tensor: ReaderTensor, dtype: torch.dtype) -> torch.Tensor:
 def unpermute_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo convert_hf_to_gguf's `permute`: within each head, rows go from llama.cpp's interleaved rotary pairs
     (i, half) back to HF's halves (half, i). Works on a weight (rows, in) or a bias (rows,)."""
-    rows = weight.shape[0]
-    pairs = rows // n_heads // 2
-    return weight.reshape(n_heads, pairs, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+    return weight[unpermute_index(weight.shape[0], n_heads)]
+
+
+def unpermute_index(rows: int, n_heads: int) -> torch.Tensor:
+    """The row order `unpermute_rows` applies: new row i is the file's row index[i] (also for quantized rows)."""
+    return torch.arange(rows).reshape(n_heads, rows // n_heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
 def hf_name(name: str) -> str:
@@ -166,16 +172,50 @@ class GGUFCheckpoint:
             architecture=name,
         )
 
-    def state_dict(self, config: LlamaConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Every tensor under its HF name, in `dtype`, with llama.cpp's q/k row permutation undone."""
-        permuted = ARCHITECTURES[self.architecture][1]
-        heads = {"attn_q": config.n_heads, "attn_k": config.n_kv_heads}
+    def _row_order(self, config: LlamaConfig, tensor: ReaderTensor) -> torch.Tensor | None:
+        """The rows to undo llama.cpp's q/k permutation with, or None for a tensor it did not permute."""
+        heads = {"attn_q": config.n_heads, "attn_k": config.n_kv_heads}.get(tensor.name.split(".")[-2])
+        if heads is None or not ARCHITECTURES[self.architecture][1]:
+            return None
+        return unpermute_index(int(tensor.shape[-1]), heads)
+
+    def quantized_linears(self) -> dict[str, ReaderTensor]:
+        """The projection matrices (and the LM head) stored as Q8_0/Q4_0/Q4_1, by the HF name of their module
+        (``model.layers.0.self_attn.q_proj``, ``lm_head``); a tied head reads the embedding's blocks."""
+        kept = {}
+        for tensor in self.reader.tensors:
+            if tensor.tensor_type not in KEPT_QUANTIZED or not tensor.name.endswith(".weight"):
+                continue
+            name = hf_name(tensor.name).removesuffix(".weight")
+            if name == "model.embed_tokens":  # a lookup table stays dense; a tied head keeps its blocks
+                if not any(t.name == "output.weight" for t in self.reader.tensors):
+                    kept["lm_head"] = tensor
+            elif name != "model.norm" and not name.endswith("layernorm"):
+                kept[name] = tensor
+        return kept
+
+    def state_dict(self, config: LlamaConfig, dtype: torch.dtype, skip: frozenset[str] = frozenset()
+                   ) -> dict[str, torch.Tensor]:
+        """Every tensor under its HF name, in `dtype`, with llama.cpp's q/k row permutation undone; tensors named in
+        `skip` (GGUF names, kept quantized by the caller) are not dequantized."""
         state = {}
         for tensor in self.reader.tensors:
-            name = hf_name(tensor.name)
+            if tensor.name in skip:
+                continue
             weight = tensor_weight(tensor, dtype)
-            kind = tensor.name.split(".")[-2]
-            if permuted and kind in heads:
-                weight = unpermute_rows(weight, heads[kind])
-            state[name] = weight
+            rows = self._row_order(config, tensor)
+            state[hf_name(tensor.name)] = weight if rows is None else weight[rows]
         return state
+
+    def quant_linear(self, config: LlamaConfig, tensor: ReaderTensor, bias: torch.Tensor | None) -> torch.nn.Module:
+        """A QuantLinear over `tensor`'s own blocks, its rows in HF order; `bias` (HF order) is added after."""
+        from shared.blocks.quant_linear import QuantLinear
+
+        out_features, in_features = (int(n) for n in reversed(tensor.shape.tolist()))
+        layer = QuantLinear.from_gguf(tensor.tensor_type, tensor.data, (out_features, in_features), bias)
+        rows = self._row_order(config, tensor)
+        if rows is not None:
+            layer = layer.select_rows(rows)
+            if bias is not None:  # already in HF order: select_rows moved it with the file's rows
+                layer.bias.data.copy_(bias)
+        return layer

@@ -62,12 +62,14 @@ def load_state_dict(directory: str | Path, dtype: torch.dtype | None = None) -> 
 
 
 def load_model(directory: str | Path | GGUFCheckpoint, dtype: str | None = "float32", backend: Backend | None = None,
-               device: str | torch.device = "cpu") -> LlamaForCausalLM:
+               device: str | torch.device = "cpu", keep_quantized: bool = False) -> LlamaForCausalLM:
     """Build the model described by ``directory/config.json`` (or a GGUF file, a directory holding one, or an opened
     ``GGUFCheckpoint``) and load its weights strictly.
 
     ``dtype``: "float32" | "bfloat16" | "float16", or None for the checkpoint's own dtype (float32 for GGUF);
     "int8" loads float32 and quantises every linear layer to int8 weights (``services.text.quantize``).
+    ``keep_quantized`` (GGUF only): projections and the LM head stored as Q8_0/Q4_0/Q4_1 stay in the file's blocks
+    (QuantLinear, the product dequantises inside its kernel); the rest is in ``dtype``.
     """
     if dtype == "int8":
         model = quantize_int8_(load_model(directory, "float32", backend, device="cpu"))
@@ -81,7 +83,9 @@ def load_model(directory: str | Path | GGUFCheckpoint, dtype: str | None = "floa
     if dtype_name not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)} or int8, got {dtype_name!r}")
     cfg = cfg.replace(dtype=dtype_name)
-    state = checkpoint.state_dict(cfg, DTYPES[dtype_name]) if checkpoint is not None else \
+    kept = checkpoint.quantized_linears() if keep_quantized and checkpoint is not None else {}
+    skip = frozenset(t.name for t in kept.values() if t.name != "token_embd.weight")  # the lookup stays dense
+    state = checkpoint.state_dict(cfg, DTYPES[dtype_name], skip) if checkpoint is not None else \
         load_state_dict(directory, DTYPES[dtype_name])
     # HF saves rotary tables in some versions; they are derived, never weights.
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
@@ -89,12 +93,21 @@ def load_model(directory: str | Path | GGUFCheckpoint, dtype: str | None = "floa
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
     result = model.load_state_dict(state, strict=False)
-    missing = [k for k in result.missing_keys if not (cfg.tie_embeddings and k == "lm_head.weight")]
+    missing = [k for k in result.missing_keys
+               if not (cfg.tie_embeddings and k == "lm_head.weight") and k.removesuffix(".weight") not in kept]
     if missing or result.unexpected_keys:
         raise ValueError(f"checkpoint {directory} does not match {cfg.architecture}: missing {missing[:5]}, "
                          f"unexpected {result.unexpected_keys[:5]}")
-    if cfg.tie_embeddings:
+    if cfg.tie_embeddings and "lm_head" not in kept:
         model.lm_head.weight = model.model.embed_tokens.weight
+    for name, tensor in kept.items():
+        parent, _, attr = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        dense = getattr(owner, attr)
+        bias = None if dense.bias is None else dense.bias.detach().float()
+        layer = checkpoint.quant_linear(cfg, tensor, bias)
+        layer.backend = model.backend
+        setattr(owner, attr, layer)
     return model.to(device).eval()
 
 

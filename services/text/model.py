@@ -21,6 +21,7 @@ from shared.blocks.backend import Backend, get_backend
 from shared.blocks.ffn import SwiGLU
 from shared.blocks.linear import Linear
 from shared.blocks.norms import RMSNorm
+from shared.blocks.quant_linear import QuantLinear
 from shared.blocks.rope import RoPE, RopeScaling
 
 
@@ -100,10 +101,12 @@ class LlamaForCausalLM(nn.Module):
         self.rope = make_rope(cfg)
 
     def num_params(self) -> int:
-        """Parameters of the checkpoint: tied weights once; int8-quantised matrices (buffers) included."""
+        """Parameters of the checkpoint: tied weights once; int8- and GGUF-quantised matrices (buffers) included."""
         quantized = sum(m.weight.numel() for m in self.modules() if isinstance(m, Int8Linear))
-        tied_copy = self.config.tie_embeddings and isinstance(self.lm_head, Int8Linear)
-        return sum(p.numel() for p in self.parameters()) + quantized - (self.lm_head.weight.numel() if tied_copy else 0)
+        quantized += sum(m.in_features * m.out_features for m in self.modules() if isinstance(m, QuantLinear))
+        tied_copy = self.config.tie_embeddings and isinstance(self.lm_head, Int8Linear | QuantLinear)
+        return sum(p.numel() for p in self.parameters()) + quantized - (
+            self.lm_head.in_features * self.lm_head.out_features if tied_copy else 0)
 
     # ---- (B, T) batches: training, parity tests ---------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -36,9 +36,12 @@ class AsyncLLMEngine:
         CPU."""
         from services.text.loader import load_model, open_gguf
         from services.text.tokenizer import TextTokenizer
+        from shared.blocks.quant_linear import QuantLinear
 
         root = (Path(path) if path is not None else DEMO_DIR).resolve()
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        # "auto" keeps a GGUF file's Q8_0/Q4_0/Q4_1 matrices in their own blocks; an explicit dtype dequantizes all.
+        keep_quantized = dtype == "auto"
         if dtype == "auto":
             dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
         gguf = open_gguf(root)  # opened once: parsing a GGUF's metadata takes seconds for a 49k vocabulary
@@ -46,9 +49,11 @@ class AsyncLLMEngine:
             model = load_model(root, dtype, device=device)
             tokenizer = TextTokenizer.from_dir(root, model.config.eos_token_ids)
             return cls(LLMEngine(model, tokenizer, config, model_name=root.name), str(root))
-        model = load_model(gguf, dtype, device=device)
+        model = load_model(gguf, dtype, device=device, keep_quantized=keep_quantized)
         tokenizer = TextTokenizer.from_gguf(gguf, model.config.eos_token_ids)
-        return cls(LLMEngine(model, tokenizer, config, model_name=gguf.path.stem), str(gguf.path), gguf.file_type)
+        quantized = any(isinstance(m, QuantLinear) for m in model.modules())
+        return cls(LLMEngine(model, tokenizer, config, model_name=gguf.path.stem), str(gguf.path),
+                   gguf.file_type if quantized else "")
 
     @property
     def max_context(self) -> int:

@@ -18,6 +18,7 @@ from services.text.engine import EngineConfig, LLMEngine, SamplingParams
 from services.text.gguf import GGUFCheckpoint, tensor_weight, unpermute_rows
 from services.text.loader import load_model
 from services.text.tokenizer import NoChatTemplate, TextTokenizer
+from shared.blocks.quant_linear import QuantLinear
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,9 +39,16 @@ def gguf_file(request, tmp_path_factory):
     return arch, qtype, hf, path, reference
 
 
-def test_logits_match_transformers_loading_the_same_file(gguf_file):
+def _quant_layers(model) -> int:
+    return sum(isinstance(m, QuantLinear) for m in model.modules())
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["dequantized", "kept-quantized"])
+def test_logits_match_transformers_loading_the_same_file(gguf_file, keep):
     arch, qtype, hf, path, reference = gguf_file
-    model = load_model(path)
+    model = load_model(path, keep_quantized=keep)
+    # Kept: every projection and the LM head (tied or not) run on the file's blocks; the embedding stays dense.
+    assert _quant_layers(model) == (7 * model.config.n_layers + 1 if keep and qtype != "F32" else 0)
     assert model.config.architecture == ("Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM")
     assert model.config.tie_embeddings == (arch == "qwen2")
     ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
@@ -52,12 +60,13 @@ def test_logits_match_transformers_loading_the_same_file(gguf_file):
     assert drift <= LOGITS_ATOL if qtype == "F32" else 1e-3 < drift < 2.0
 
 
-def test_greedy_tokens_match_transformers(gguf_file):
+@pytest.mark.parametrize("keep", [False, True], ids=["dequantized", "kept-quantized"])
+def test_greedy_tokens_match_transformers(gguf_file, keep):
     _, _, _, path, reference = gguf_file
     prompt = torch.randint(0, VOCAB, (19,), generator=torch.Generator().manual_seed(4)).tolist()
     expected = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
                                   min_new_tokens=NEW_TOKENS)[0, len(prompt):].tolist()
-    engine = LLMEngine(load_model(path), byte_tokenizer(), EngineConfig(num_blocks=16))
+    engine = LLMEngine(load_model(path, keep_quantized=keep), byte_tokenizer(), EngineConfig(num_blocks=16))
     _, tokens, reason = engine.generate_batch([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0))[0]
     assert (tokens, reason) == (expected, "length")
 
