@@ -55,7 +55,11 @@ def check_scheduler_config(raw: dict, where: str) -> None:
 
 
 def schedule_for(raw: dict, sampler: str, where: str) -> NoiseScheduleConfig:
-    """The NoiseScheduleConfig that diffusers' class for ``sampler`` would build from this config."""
+    """The NoiseScheduleConfig that diffusers' class for ``sampler`` would build from this config. Keys listed in
+    ``_use_default_values`` (an in-memory config's record of what its class defaulted) count as absent, as they do
+    in diffusers' from_config."""
+    defaulted = set(raw.get("_use_default_values", ()))
+    raw = {k: v for k, v in raw.items() if k not in defaulted}
     check_scheduler_config(raw, where)
     for key, allowed in _FIXED[sampler].items():
         supported(raw, key, allowed[0], allowed, f"{where} (for the {sampler} sampler)")

@@ -67,9 +67,11 @@ def test_timestep_changes_the_output() -> None:
         assert (model(x, torch.tensor([1]), ctx) - model(x, torch.tensor([900]), ctx)).abs().max() > 1e-3
 
 
-def test_rejects_resolutions_the_levels_cannot_halve() -> None:
-    with pytest.raises(ValueError, match="multiples of 4"):
-        UNet(SMALL)(torch.randn(1, 4, 6, 6), torch.tensor([1]), torch.randn(1, 2, 24))
+def test_sizes_the_levels_cannot_halve_round_up_and_come_back() -> None:
+    """6×10 halves to 3×5, then 2×3 (rounded up, as diffusers' stride-2 convs do); each upsample then aims at the
+    size of the skip it meets, so the output is 6×10 again."""
+    out = UNet(SMALL).eval()(torch.randn(1, 4, 6, 10), torch.tensor([1]), torch.randn(1, 2, 24))
+    assert out.shape == (1, 4, 6, 10)
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [

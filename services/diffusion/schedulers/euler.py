@@ -26,7 +26,7 @@ class EulerDiscreteScheduler:
         σ = 0 after the last step."""
         self.timesteps = float_timesteps(self.config, num_steps)
         abar = self.alphas_cumprod
-        train_sigmas = np.array(((1 - abar) / abar) ** 0.5)  # (T,), float32 like diffusers' table
+        train_sigmas = (((1 - abar) / abar) ** 0.5).numpy()  # (T,), float32 like diffusers' table
         sigmas = np.interp(self.timesteps.numpy(), np.arange(len(train_sigmas)), train_sigmas)
         self.sigmas = torch.from_numpy(np.concatenate([sigmas, [0.0]]).astype(np.float32))
         return self.timesteps
