@@ -61,20 +61,21 @@ class DiffusionPipeline:
         f = self.model.vae_scale_factor
         return (self.model.latent_channels, height // f, width // f)
 
-    def check_size(self, height: int, width: int) -> None:
-        """Raise ValueError naming ``width`` or ``height`` unless the model serves height × width pixels."""
+    def size_error(self, height: int, width: int) -> tuple[str, str] | None:
+        """(field, message) when the model does not serve height × width pixels, else None."""
         f, limit = self.model.vae_scale_factor, self.model.max_pixels
-        if limit == self.model.native_size[0] * self.model.native_size[1]:
-            if (height, width) != self.model.native_size:
-                native_h, native_w = self.model.native_size
+        native_h, native_w = self.model.native_size
+        if limit == native_h * native_w:
+            if (height, width) != (native_h, native_w):
                 field = "width" if width != native_w else "height"
-                raise ValueError(f"{field}: this model generates {native_w}x{native_h} only, got {width}x{height}")
-            return
+                return field, f"this model generates {native_w}x{native_h} only, got {width}x{height}"
+            return None
         for field, value in (("width", width), ("height", height)):
             if value < f or value % f:
-                raise ValueError(f"{field} must be a positive multiple of {f}, got {value}")
+                return field, f"must be a positive multiple of {f}, got {value}"
         if height * width > limit:
-            raise ValueError(f"width x height must be at most {limit} pixels for this model, got {width}x{height}")
+            return "width", f"width x height must be at most {limit} pixels for this model, got {width}x{height}"
+        return None
 
     def _validate(self, prompts: list[str], negative_prompts: list[str] | None, steps: int, guidance_scale: float,
                   scheduler: str, eta: float, size: tuple[int, int]) -> None:
@@ -94,7 +95,9 @@ class DiffusionPipeline:
             raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
         if not 0.0 <= eta <= 1.0:
             raise ValueError(f"eta must be in [0, 1], got {eta}")
-        self.check_size(*size)
+        problem = self.size_error(*size)
+        if problem is not None:
+            raise ValueError(": ".join(problem))
 
     def encode_prompts(self, prompts: list[str]) -> torch.Tensor:
         """(B,) prompts -> (B, T, text dim) cross-attention context."""

@@ -157,11 +157,18 @@ def test_default_sampler_and_sizes_come_from_the_folder(sd_dirs: dict[str, Path]
     assert pipe.model.max_pixels == 4 * 64 * 64
 
 
-@pytest.mark.parametrize(("size", "field"), [((60, 64), "height"), ((64, 0), "width"), ((256, 256), "width x height")])
-def test_bad_sizes_name_the_field(sd_dirs: dict[str, Path], size: tuple[int, int], field: str) -> None:
+@pytest.mark.parametrize(("size", "field", "message"), [
+    ((60, 64), "height", "multiple of 8, got 60"),
+    ((64, 0), "width", "multiple of 8, got 0"),
+    ((256, 256), "width", "at most 16384 pixels"),
+])
+def test_bad_sizes_name_the_field(sd_dirs: dict[str, Path], size: tuple[int, int], field: str, message: str) -> None:
     pipe = DiffusionPipeline.from_dir(sd_dirs["epsilon"])
-    with pytest.raises(ValueError, match=field):
-        pipe.check_size(*size)
+    assert pipe.size_error(64, 64) is None and pipe.size_error(48, 120) is None
+    got = pipe.size_error(*size)
+    assert got is not None and got[0] == field and message in got[1]
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        pipe.generate(["a cat"], steps=1, height=size[0], width=size[1])
 
 
 def _broken(src: Path, dst: Path, edit) -> Path:
