@@ -7,6 +7,7 @@ weights unless GENSERVE_TEXT_MODEL / GENSERVE_GAN_MODEL / ... point elsewhere (t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -85,29 +86,40 @@ def _missing_weights() -> list[str]:
     ]
 
 
-@pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    missing = _missing_weights()
-    if missing:
-        pytest.fail(f"no weights to serve: {', '.join(missing)}")
-    base = int(os.environ.get("GENSERVE_E2E_GRPC_PORT", "9100"))
+def e2e_base_port() -> int:
+    return int(os.environ.get("GENSERVE_E2E_GRPC_PORT", "9100"))
+
+
+@contextlib.contextmanager
+def serve_stack(base: int, log: Path, extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None
+                ) -> Iterator[Stack]:
+    """`python -m services.serve` on the port block at ``base``, until the context exits."""
     ports = {"grpc": base, "health": base + 1, "http": base - 1000, "metrics": base - 998}
     busy = [f"{name} {port}" for name, port in ports.items() if not _port_free(port)]
     if busy:
         pytest.fail(f"ports in use ({', '.join(busy)}); set GENSERVE_E2E_GRPC_PORT to another block")
-    log = tmp_path_factory.mktemp("stack") / "serve.log"
     command = [
         sys.executable, "-m", "services.serve", "--grpc-port", str(ports["grpc"]),
         "--health-port", str(ports["health"]), "--http-port", str(ports["http"]),
-        "--metrics-port", str(ports["metrics"]), "--timeout", str(START_TIMEOUT_S - 20),
+        "--metrics-port", str(ports["metrics"]), "--timeout", str(START_TIMEOUT_S - 20), *extra_args,
     ]
     with log.open("w") as out:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                   env=None if env is None else {**os.environ, **env})
     try:
         _wait_ready(process, log)
         yield Stack(ports["grpc"], ports["health"], log)
     finally:
         _stop(process)
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    missing = _missing_weights()
+    if missing:
+        pytest.fail(f"no weights to serve: {', '.join(missing)}")
+    with serve_stack(e2e_base_port(), tmp_path_factory.mktemp("stack") / "serve.log") as running:
+        yield running
 
 
 @pytest.fixture(scope="session")
