@@ -163,3 +163,19 @@ def test_committed_weights_load_and_generate() -> None:
     latents = pipe.generate(["a large blue square at the bottom right"], steps=2, seed=0)
     assert latents.shape == (1, *pipe.latent_shape)
     assert torch.isfinite(latents).all()
+
+
+def test_the_loop_never_copies_to_the_host(tiny_pipe: DiffusionPipeline, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every step stays on the pipeline's device: no .cpu(), .item() or .tolist() on any tensor inside generate()
+    (the samplers' own schedules are host tensors from the start and are only indexed)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("host copy inside the denoising loop")
+
+    reference = tiny_pipe.generate(PROMPTS, steps=3, seed=2, scheduler="dpmpp_2m")
+    for name in ("cpu", "item", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    for scheduler in SCHEDULERS:
+        latents = tiny_pipe.generate(PROMPTS, steps=3, seed=2, scheduler=scheduler, eta=0.5)
+        assert latents.shape == (2, *tiny_pipe.latent_shape)
+    monkeypatch.undo()
+    torch.testing.assert_close(tiny_pipe.generate(PROMPTS, steps=3, seed=2, scheduler="dpmpp_2m"), reference)
