@@ -143,7 +143,8 @@ class DiffusionPipeline:
         ``Cancelled``.
         """
         scheduler = scheduler or self.model.default_scheduler
-        size = (height or self.model.native_size[0], width or self.model.native_size[1])
+        native_h, native_w = self.model.native_size
+        size = (native_h if height is None else height, native_w if width is None else width)
         self._validate(prompts, negative_prompts, steps, guidance_scale, scheduler, eta, size)
         n = len(prompts)
         guided = self.model.uses_guidance(guidance_scale)
