@@ -85,6 +85,12 @@ def load_sd_components(directory: str | Path, device: str | torch.device = "cpu"
     if unet.config.cross_attention_dim != text_encoder.config.dim:
         raise ValueError(f"{directory}: unet cross_attention_dim ({unet.config.cross_attention_dim}) differs from "
                          f"the text encoder's hidden_size ({text_encoder.config.dim})")
+    if tokenizer.vocab_size > text_encoder.config.vocab_size:
+        raise ValueError(f"{directory}: the tokenizer has {tokenizer.vocab_size} tokens, more than the text encoder's "
+                         f"vocab_size ({text_encoder.config.vocab_size})")
+    if tokenizer.max_length > text_encoder.config.max_positions:
+        raise ValueError(f"{directory}: tokenizer model_max_length ({tokenizer.max_length}) exceeds the text "
+                         f"encoder's max_position_embeddings ({text_encoder.config.max_positions})")
     if unet.config.in_channels != vae_config.latent_channels:
         raise ValueError(f"{directory}: unet in_channels ({unet.config.in_channels}) differs from the vae's "
                          f"latent_channels ({vae_config.latent_channels})")
