@@ -74,6 +74,8 @@ class Vae:
         return torch.stack(decoded)
 
     def _latents(self, request: vae_pb2.DecodeRequest) -> torch.Tensor:
+        if not request.HasField("latents"):
+            raise InvalidArgument("latents", "is required")
         shape = tuple(request.latents.shape)
         channels = self.latent_shape[0]
         if self.any_size:
