@@ -8,6 +8,14 @@ cross-attention width and heads) driven by diffusers' ``DDIMScheduler``; diffuse
 The two sides alternate image by image in one process, so load from other jobs on a shared machine falls on both.
 Prints a table with parameter counts, the median and the best milliseconds per image, and the speed ratios.
 
+With ``--model DIR`` (a Stable-Diffusion-format diffusers folder) it times, instead, the whole text-to-image call
+on that folder: our ``DiffusionPipeline`` plus our AutoencoderKL decode against diffusers' ``StableDiffusionPipeline``
+(``output_type="np"``), same prompt, seed, sampler (the folder's DDIM settings), steps and guidance, and prints how
+far apart the two images are (they should agree within 2/255). A tiny SD-shaped folder to try it on:
+
+    python -m tests.services.diffusion.tiny_sd /tmp/tiny-sd --latent 64
+    python bench/diffusion.py --model /tmp/tiny-sd [--threads 2] [--repeats 3] [--steps 20]
+
     python bench/diffusion.py [--threads 1] [--repeats 5] [--weights services/diffusion/weights]
 """
 
@@ -25,6 +33,7 @@ from services.diffusion.model import LatentDiffusion, default_config, load_diffu
 from services.diffusion.pipeline import DiffusionPipeline
 
 PROMPT = "a large blue square at the bottom right"
+SD_PROMPT = "An astronaut riding a horse, oil painting"
 
 
 def diffusers_twin(model: LatentDiffusion) -> torch.nn.Module:
@@ -88,16 +97,68 @@ def time_interleaved(ours: Callable[[int], torch.Tensor], theirs: Callable[[int]
     return times["ours"], times["theirs"]
 
 
+def sd_sides(folder: Path, steps: int, guidance: float) -> tuple[Callable, Callable, dict[str, int]]:
+    """(ours, diffusers', parameter counts) for a Stable Diffusion folder; each side returns (N, H, W, 3) in [0, 1]."""
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+
+    from services.vae.autoencoder_kl import load_autoencoder_kl
+
+    ref = StableDiffusionPipeline.from_pretrained(folder, safety_checker=None, requires_safety_checker=False)
+    ref.scheduler = DDIMScheduler.from_config(ref.scheduler.config)
+    ref.set_progress_bar_config(disable=True)
+    pipe = DiffusionPipeline.from_dir(folder)
+    vae = load_autoencoder_kl(folder / "vae")
+
+    @torch.inference_mode()
+    def ours(seed: int) -> torch.Tensor:
+        latents = pipe.generate([SD_PROMPT], steps=steps, guidance_scale=guidance, seed=seed, scheduler="ddim")
+        return ((vae.decode(latents).clamp(-1, 1) + 1) / 2).permute(0, 2, 3, 1)
+
+    def theirs(seed: int) -> torch.Tensor:
+        return torch.from_numpy(ref(SD_PROMPT, num_inference_steps=steps, guidance_scale=guidance, output_type="np",
+                                    generator=torch.Generator("cpu").manual_seed(seed)).images)
+
+    counts = {"unet": sum(p.numel() for p in pipe.model.unet.parameters()),
+              "vae": sum(p.numel() for p in vae.parameters()),
+              "text": sum(p.numel() for p in pipe.model.text_encoder.parameters())}
+    return ours, theirs, counts
+
+
+def main_sd(args: argparse.Namespace) -> None:
+    ours, theirs, counts = sd_sides(args.model, args.steps, args.guidance_scale)
+    diff = (ours(0) * 255).round().sub((theirs(0) * 255).round()).abs().max().item()
+    ours_times, theirs_times = time_interleaved(ours, theirs, args.repeats)
+    h, w = ours(0).shape[1:3]
+    print(f"{args.model}: {args.steps}-step DDIM + guidance {args.guidance_scale}, {w}x{h} image, "
+          f"{args.threads} thread(s), {args.repeats} interleaved images per side; U-Net {counts['unet'] / 1e6:.2f}M, "
+          f"VAE {counts['vae'] / 1e6:.2f}M, text {counts['text'] / 1e6:.2f}M parameters")
+    print(f"largest pixel difference between the two images for seed 0: {diff:.0f}/255")
+    print("| pipeline | median ms / image | best ms / image | speed-up (median) | speed-up (best) |")
+    print("|---|---|---|---|---|")
+    for name, times in (("diffusers StableDiffusionPipeline", theirs_times), ("genserve DiffusionPipeline + VAE",
+                                                                               ours_times)):
+        median, best = statistics.median(times), min(times)
+        print(f"| {name} | {median * 1e3:.1f} | {best * 1e3:.1f} | "
+              f"{statistics.median(theirs_times) / median:.2f}x | {min(theirs_times) / best:.2f}x |")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--weights", type=Path, default=None, help="our checkpoint (default: random demo config)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="a Stable Diffusion diffusers folder: time the whole pipeline against diffusers'")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--guidance-scale", type=float, default=3.0)
+    parser.add_argument("--guidance-scale", type=float, default=None, help="default 3.0, or 7.5 with --model")
     args = parser.parse_args(argv)
+    if args.guidance_scale is None:
+        args.guidance_scale = 7.5 if args.model is not None else 3.0
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.model is not None:
+        main_sd(args)
+        return
     model = load_diffusion(args.weights) if args.weights else LatentDiffusion(default_config()).eval()
     pipe = DiffusionPipeline(model)
     twin = diffusers_twin(model)

@@ -65,12 +65,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for app in ("gan", "vae", "diffusion"):
         parser.add_argument(
             f"--{app}-model", metavar="DIR", default=None,
-            help=f"checkpoint directory for the {app} app (default: $GENSERVE_{app.upper()}_MODEL or demo weights)",
+            help=f"checkpoint directory for the {app} app (default: $GENSERVE_{app.upper()}_MODEL or demo weights)"
+            + ("; a diffusers Stable Diffusion folder also serves its vae/ as the vae app" if app == "diffusion"
+               else ""),
         )
 
 
 def load_config(args: argparse.Namespace) -> dict[str, Any]:
     """The config file with this run's ports and model directories put in."""
+    from services.common.builder import model_dir_env, pipeline_vae_dir  # imports ray: only after RAY_ENV is set
+
     config = yaml.safe_load(args.config.read_text())
     config["grpc_options"]["port"] = args.grpc_port
     config["http_options"]["port"] = args.http_port
@@ -82,6 +86,12 @@ def load_config(args: argparse.Namespace) -> dict[str, Any]:
             model_dir = default_model.resolve(model_dir or app["args"].get("model_dir"))
         if model_dir:
             app["args"]["model_dir"] = str(Path(model_dir).resolve())
+    # A Stable Diffusion folder's vae/ serves as `vae` unless --vae-model or GENSERVE_VAE_MODEL names another.
+    vae_dir = pipeline_vae_dir(getattr(args, "diffusion_model", None))
+    if vae_dir and not getattr(args, "vae_model", None) and not os.environ.get(model_dir_env("vae")):
+        for app in config["applications"]:
+            if app["name"] == "vae" and not app["args"].get("model_dir"):
+                app["args"]["model_dir"] = str(Path(vae_dir).resolve())
     return config
 
 

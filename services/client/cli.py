@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+from . import requests
 from .errors import GenserveError, Unavailable
 from .sync import DEFAULT_ADDRESS, Client
 
@@ -135,7 +136,7 @@ def cmd_vae(client: Client, args: argparse.Namespace) -> int:
         _write_images(client.vae_reconstruct(pngs).images, args.output, "reconstructed")
         return 0
     reply = client.vae_encode(pngs, sample=args.sample, seed=args.seed)
-    latents = {"shape": list(reply.latents.shape), "values": list(reply.latents.values),
+    latents = {"shape": list(reply.latents.shape), "values": requests.tensor_values(reply.latents),
                "scaling_factor": reply.scaling_factor}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(latents))
@@ -148,7 +149,8 @@ def cmd_diffuse(client: Client, args: argparse.Namespace) -> int:
 
     events = client.diffuse_stream(
         args.prompt, negative_prompt=args.negative, num_images=args.num_images, steps=args.steps,
-        guidance_scale=args.guidance, seed=args.seed, scheduler=args.scheduler, eta=args.eta,
+        guidance_scale=args.guidance, seed=args.seed, scheduler=args.scheduler, eta=args.eta, width=args.width,
+        height=args.height,
     )
     with tqdm(total=args.steps, unit="step", desc="denoising", file=sys.stderr) as bar:
         for event in events:
@@ -241,8 +243,11 @@ def _client_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--guidance", type=float, default=3.0)
     p.add_argument("--seed", type=int)
-    p.add_argument("--scheduler", default="ddim", choices=("ddpm", "ddim", "dpmpp_2m"))
+    p.add_argument("--scheduler", default="", choices=("", "ddpm", "ddim", "dpmpp_2m", "euler"),
+                   help="sampler (default: the model's)")
     p.add_argument("--eta", type=float)
+    p.add_argument("--width", type=int, help="pixels, a multiple of 8 (default: the model's native size)")
+    p.add_argument("--height", type=int, help="pixels, a multiple of 8 (default: the model's native size)")
     p.add_argument("-n", "--num-images", type=int, default=1)
     p.add_argument("-o", "--output", type=Path, required=True, help="FILE.png (FILE-i.png for several)")
     p.set_defaults(func=cmd_diffuse)

@@ -3,6 +3,8 @@ proto3 `optional` fields keep the server's documented defaults."""
 
 from __future__ import annotations
 
+import array
+import struct
 from collections.abc import Iterable, Sequence
 
 from genserve.v1 import common_pb2, diffusion_pb2, gan_pb2, text_pb2, vae_pb2
@@ -73,8 +75,26 @@ def encode_request(pngs: Iterable[bytes], *, sample: bool = False, seed: int | N
     return request
 
 
+def float32_tensor(shape: Sequence[int], values: Iterable[float]) -> common_pb2.Tensor:
+    """A Tensor message from numbers in row-major order, as little-endian float32 bytes (no numpy or torch)."""
+    return common_pb2.Tensor(shape=list(shape), dtype="float32", data=array.array("f", values).tobytes())
+
+
+def tensor_values(tensor: common_pb2.Tensor) -> list[float]:
+    """The numbers a Tensor message holds, in row-major order (float32, float16 or bfloat16 bytes)."""
+    dtype = tensor.dtype or "float32"
+    if dtype == "float32":
+        return array.array("f", tensor.data).tolist()
+    if dtype == "float16":
+        return [v for (v,) in struct.iter_unpack("<e", tensor.data)]
+    if dtype == "bfloat16":  # the top half of a float32
+        return [v for (v,) in struct.iter_unpack("<f", b"".join(b"\0\0" + tensor.data[i : i + 2]
+                                                                for i in range(0, len(tensor.data), 2)))]
+    raise ValueError(f"unknown tensor dtype {dtype!r}")
+
+
 def decode_request(shape: Sequence[int], values: Iterable[float]) -> vae_pb2.DecodeRequest:
-    return vae_pb2.DecodeRequest(latents=common_pb2.Tensor(shape=list(shape), values=list(values)))
+    return vae_pb2.DecodeRequest(latents=float32_tensor(shape, values))
 
 
 def reconstruct_request(pngs: Iterable[bytes]) -> vae_pb2.ReconstructRequest:
@@ -92,9 +112,12 @@ def diffusion_request(
     scheduler: str = "",
     eta: float | None = None,
     preview_every: int = 0,
+    width: int | None = None,
+    height: int | None = None,
 ) -> diffusion_pb2.DiffusionRequest:
     request = diffusion_pb2.DiffusionRequest(
         prompt=prompt, negative_prompt=negative_prompt, scheduler=scheduler, preview_every=preview_every
     )
-    _set(request, num_images=num_images, steps=steps, guidance_scale=guidance_scale, seed=seed, eta=eta)
+    _set(request, num_images=num_images, steps=steps, guidance_scale=guidance_scale, seed=seed, eta=eta, width=width,
+         height=height)
     return request

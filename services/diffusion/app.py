@@ -1,8 +1,9 @@
 """The `diffusion` application: genserve.v1.Diffusion (Generate, GenerateStream) on Ray Serve.
 
-The denoising loop runs in a worker thread and reports each step through a queue, so the stream sends progress
-(and optional previews) while the loop runs. The final latents go to the `vae` application's `Decode` through a
-deployment handle, with the same protobuf messages a gRPC client would send.
+The denoising loop runs in a worker thread, on the replica's device, and reports each step through a queue, so the
+stream sends progress (and optional previews) while the loop runs. The final latents go to the `vae` application's
+`Decode` through a deployment handle as raw bytes with dtype and shape, the same Tensor message a gRPC client
+sends. The model is the committed demo or a Stable-Diffusion-format diffusers folder (GENSERVE_DIFFUSION_MODEL).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ray.serve.exceptions import BackPressureError
 from services.common import health
 from services.common.builder import build_app, handle_to
 from services.common.device import serving_device
+from services.common.errors import InvalidArgument
 from services.common.images import image_messages, tensor_message
 from services.common.metrics import ServiceMetrics
 from services.common.rpc import streaming, unary, unknown_rpcs
@@ -44,7 +46,6 @@ from services.diffusion.pipeline import (
 SERVICE = "genserve.v1.Diffusion"
 # One request holds a replica for all its steps; a small batch keeps the queue moving.
 MAX_IMAGES = 8
-DEFAULT_SCHEDULER = "ddim"
 _DONE = object()
 
 
@@ -58,13 +59,15 @@ class DiffusionIn(Request):
     scheduler: str = ""
     eta: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
     preview_every: int = Field(0, ge=0, le=MAX_STEPS)
+    width: int | None = Field(None, ge=1)
+    height: int | None = Field(None, ge=1)
 
     @field_validator("scheduler")
     @classmethod
     def _known_scheduler(cls, name: str) -> str:
         if name and name not in SCHEDULERS:
             raise ValueError(f"unknown scheduler {name!r}; one of {', '.join(sorted(SCHEDULERS))}")
-        return name or DEFAULT_SCHEDULER
+        return name
 
 
 def _progress(step: int, total: int, elapsed: float) -> diffusion_pb2.DiffusionEvent:
@@ -96,6 +99,12 @@ class Diffusion:
     async def _events(self, request: diffusion_pb2.DiffusionRequest) -> AsyncIterator[diffusion_pb2.DiffusionEvent]:
         """Progress and preview events while the loop runs in a thread, then the decoded images (last event)."""
         req = parse(DiffusionIn, request)
+        height, width = req.height or self.pipe.model.native_size[0], req.width or self.pipe.model.native_size[1]
+        problem = self.pipe.size_error(height, width)
+        if problem is not None:
+            raise InvalidArgument(*problem)
+        if req.preview_every and self.pipe.model.preview is None:
+            raise InvalidArgument("preview_every", "this model has no preview; use 0")
         seed = resolve_seed(req.seed)
         loop, queue, cancel = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
         start = time.perf_counter()
@@ -113,8 +122,8 @@ class Diffusion:
                 with torch.inference_mode():
                     return self.pipe.generate(
                         [req.prompt] * req.num_images, [req.negative_prompt] * req.num_images, steps=req.steps,
-                        guidance_scale=req.guidance_scale, seed=seed, scheduler=req.scheduler, eta=req.eta,
-                        on_step=on_step, should_cancel=cancel.is_set,
+                        guidance_scale=req.guidance_scale, seed=seed, scheduler=req.scheduler or None, eta=req.eta,
+                        height=height, width=width, on_step=on_step, should_cancel=cancel.is_set,
                     )
             finally:
                 loop.call_soon_threadsafe(queue.put_nowait, _DONE)

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from services.diffusion.components import DiffusionComponents
 from services.diffusion.schedulers.schedule import NoiseScheduleConfig
 from services.diffusion.text_encoder import TextEncoder, TextEncoderConfig
 from services.diffusion.tokenizer import WordTokenizer, caption_vocabulary
@@ -18,6 +19,8 @@ from shared.blocks.unet import UNet, UNetConfig
 from shared.checkpoint import load_weights, read_extra, save_checkpoint
 
 DEFAULT_WEIGHTS = Path(__file__).parent / "weights"
+# The demo VAE (services/vae) maps 32×32 images to 8×8 latents: 4 pixels per latent cell on each side.
+DEMO_VAE_SCALE_FACTOR = 4
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,16 @@ class LatentDiffusion(nn.Module):
 
     def tokenizer(self) -> WordTokenizer:
         return WordTokenizer(self.config.vocabulary, self.config.text.max_length)
+
+    def components(self) -> DiffusionComponents:
+        """The parts the pipeline runs; one schedule for every sampler, and only the native size."""
+        c, h, w = self.config.latent_shape
+        f = DEMO_VAE_SCALE_FACTOR
+        return DiffusionComponents(
+            unet=self.unet, text_encoder=self.text_encoder, tokenizer=self.tokenizer(),
+            schedule=lambda name: self.config.schedule, latent_channels=c, native_size=(h * f, w * f),
+            vae_scale_factor=f, scaling_factor=self.config.scaling_factor, max_pixels=h * f * w * f,
+            preview=self.preview)
 
 
 def save_diffusion(directory: str | Path, model: LatentDiffusion, extra: dict | None = None) -> Path:

@@ -2,7 +2,11 @@
 
 This is the interface the diffusion service codes against. It returns latents in the VAE's own (un-scaled) space,
 ready for ``vae.decode``; the service decodes them through the ``vae`` application. ``preview`` gives a cheap
-8×8 RGB impression of any latents (e.g. the intermediate ones ``on_step`` receives) without the VAE.
+low-resolution RGB impression of any latents (e.g. the intermediate ones ``on_step`` receives) without the VAE.
+
+The whole loop runs on the pipeline's device: the initial noise (and any sampler noise) is drawn on a CPU generator
+and moved, as diffusers' StableDiffusionPipeline draws it with ``generator=torch.Generator("cpu")``, so a seed gives
+the same images on every device; after that nothing comes back to the host until the caller reads the latents.
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ from pathlib import Path
 
 import torch
 
+from services.diffusion.components import DiffusionComponents
 from services.diffusion.model import LatentDiffusion, load_diffusion
 from services.diffusion.schedulers import SCHEDULERS, make_scheduler
+from services.diffusion.sd_folder import is_diffusers_pipeline, load_sd_components
 from shared.blocks.cross_attention import ContextCache
 
 MAX_STEPS = 200
@@ -32,24 +38,47 @@ class Cancelled(Exception):
 
 
 class DiffusionPipeline:
-    def __init__(self, model: LatentDiffusion, device: str | torch.device = "cpu") -> None:
-        self.model = model.to(device).eval()
+    def __init__(self, model: LatentDiffusion | DiffusionComponents, device: str | torch.device = "cpu") -> None:
+        parts = model.components() if isinstance(model, LatentDiffusion) else model
+        self.model = parts.to(device)
         self.device = torch.device(device)
-        self.tokenizer = model.tokenizer()
-        self.config = model.config
+        self.tokenizer = parts.tokenizer
 
     @classmethod
     def from_dir(cls, path: str | Path | None = None, device: str | torch.device = "cpu") -> DiffusionPipeline:
-        """Load a checkpoint directory; None -> services/diffusion/weights/."""
+        """Load a checkpoint directory: a diffusers Stable Diffusion folder (it has model_index.json) or our own
+        format; None -> services/diffusion/weights/."""
+        if path is not None and is_diffusers_pipeline(path):
+            return cls(load_sd_components(path, device=device), device=device)
         return cls(load_diffusion(path, device=device), device=device)
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:
-        """(C, h, w) of one image's latent."""
-        return tuple(self.config.latent_shape)
+        """(C, h, w) of one image's latent at the native size."""
+        return self.latent_shape_for(*self.model.native_size)
+
+    def latent_shape_for(self, height: int, width: int) -> tuple[int, int, int]:
+        f = self.model.vae_scale_factor
+        return (self.model.latent_channels, height // f, width // f)
+
+    def size_error(self, height: int, width: int) -> tuple[str, str] | None:
+        """(field, message) when the model does not serve height × width pixels, else None."""
+        f, limit = self.model.vae_scale_factor, self.model.max_pixels
+        native_h, native_w = self.model.native_size
+        if limit == native_h * native_w:
+            if (height, width) != (native_h, native_w):
+                field = "width" if width != native_w else "height"
+                return field, f"this model generates {native_w}x{native_h} only, got {width}x{height}"
+            return None
+        for field, value in (("width", width), ("height", height)):
+            if value < f or value % f:
+                return field, f"must be a positive multiple of {f}, got {value}"
+        if height * width > limit:
+            return "width", f"width x height must be at most {limit} pixels for this model, got {width}x{height}"
+        return None
 
     def _validate(self, prompts: list[str], negative_prompts: list[str] | None, steps: int, guidance_scale: float,
-                  scheduler: str, eta: float) -> None:
+                  scheduler: str, eta: float, size: tuple[int, int]) -> None:
         if not 1 <= len(prompts) <= MAX_BATCH:
             raise ValueError(f"prompts must hold 1 to {MAX_BATCH} prompts, got {len(prompts)}")
         if negative_prompts is not None and len(negative_prompts) != len(prompts):
@@ -66,6 +95,9 @@ class DiffusionPipeline:
             raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
         if not 0.0 <= eta <= 1.0:
             raise ValueError(f"eta must be in [0, 1], got {eta}")
+        problem = self.size_error(*size)
+        if problem is not None:
+            raise ValueError(": ".join(problem))
 
     def encode_prompts(self, prompts: list[str]) -> torch.Tensor:
         """(B,) prompts -> (B, T, text dim) cross-attention context."""
@@ -74,12 +106,12 @@ class DiffusionPipeline:
     def guided_output(self, latents: torch.Tensor, t: torch.Tensor, context: torch.Tensor | ContextCache,
                       guidance_scale: float, temb: torch.Tensor | None = None) -> torch.Tensor:
         """Classifier-free guidance (Ho & Salimans 2022): out_u + w (out_c − out_u), with the conditional and the
-        unconditional (negative-prompt) halves of ``context`` (2N, T, D) in ONE U-Net batch. w = 1 skips the
-        unconditional half; w = 0 is the unconditional (negative-prompt) model alone. A `ContextCache` holds
-        exactly the contexts the U-Net reads: 2N of them, or only the N conditional ones when w = 1. ``temb``
-        (1, temb_dim) is t's time embedding when the caller computed it beforehand."""
+        unconditional (negative-prompt) halves of ``context`` (2N, T, D) in ONE U-Net batch. Without guidance
+        (``model.uses_guidance(w)`` false) only the conditional half runs. A `ContextCache` holds exactly the
+        contexts the U-Net reads: 2N of them, or only the N conditional ones. ``temb`` (1, temb_dim) is t's time
+        embedding when the caller computed it beforehand."""
         n = latents.shape[0]
-        if guidance_scale == 1.0:
+        if not self.model.uses_guidance(guidance_scale):
             return self.model.unet(latents, t.expand(n), context if isinstance(context, ContextCache) else context[:n],
                                    temb=temb)
         out = self.model.unet(torch.cat([latents, latents]), t.expand(2 * n), context, temb=temb)  # (2N, C, h, w)
@@ -95,42 +127,53 @@ class DiffusionPipeline:
         steps: int = DEFAULT_STEPS,
         guidance_scale: float = DEFAULT_GUIDANCE_SCALE,
         seed: int | None = None,
-        scheduler: str = "ddim",
+        scheduler: str | None = None,
         eta: float = 0.0,
+        height: int | None = None,
+        width: int | None = None,
         on_step: Callable[[int, int, torch.Tensor], None] | None = None,
         should_cancel: Callable[[], bool] | None = None,
     ) -> torch.Tensor:
-        """Latents (N, C, h, w) in the VAE's un-scaled space for N prompts.
+        """Latents (N, C, h, w) in the VAE's un-scaled space for N prompts, on the pipeline's device.
 
         The negative prompt replaces the empty caption as the unconditional input. ``seed`` fixes the initial
-        noise and any sampler noise (same seed, same prompts, same settings: same latents). ``on_step(step, total,
-        latents)`` runs after every step with ``step`` counting from 1; ``should_cancel()`` is checked before
-        every step and raises ``Cancelled``.
+        noise and any sampler noise (same seed, same prompts, same settings: same latents). ``scheduler`` None is
+        the model's default; ``height``/``width`` None the native size. ``on_step(step, total, latents)`` runs
+        after every step with ``step`` counting from 1; ``should_cancel()`` is checked before every step and raises
+        ``Cancelled``.
         """
-        self._validate(prompts, negative_prompts, steps, guidance_scale, scheduler, eta)
+        scheduler = scheduler or self.model.default_scheduler
+        native_h, native_w = self.model.native_size
+        size = (native_h if height is None else height, native_w if width is None else width)
+        self._validate(prompts, negative_prompts, steps, guidance_scale, scheduler, eta, size)
         n = len(prompts)
+        guided = self.model.uses_guidance(guidance_scale)
         uncond = negative_prompts if negative_prompts is not None else [""] * n
-        context = self.encode_prompts(list(prompts) + list(uncond))  # (2N, T, D)
         # Every step reads the same text: each cross-attention projects it to keys and values once, not per step.
-        cache = ContextCache(context[:n] if guidance_scale == 1.0 else context)
+        cache = ContextCache(self.encode_prompts(list(prompts) + (list(uncond) if guided else [])))  # (2N or N, T, D)
         generator = torch.Generator().manual_seed(seed if seed is not None else int(torch.seed() % 2**63))
-        sampler = make_scheduler(scheduler, self.config.schedule, eta=eta)
+        sampler = make_scheduler(scheduler, self.model.schedule(scheduler), eta=eta)
         timesteps = sampler.set_timesteps(steps)
         # Noise is drawn on the CPU generator so a seed gives the same latents on every device.
-        latents = torch.randn((n, *self.latent_shape), generator=generator).to(self.device)
-        scale = self.config.scaling_factor
+        noise = torch.randn((n, *self.latent_shape_for(*size)), generator=generator)
+        latents = noise.to(self.device) * sampler.init_noise_sigma
+        scale = self.model.scaling_factor
         # Like the text, the timesteps are known before the first step: embed them all in one batch.
         tembs = self.model.unet.time_embed(timesteps.to(self.device), latents.dtype)  # (steps, temb_dim)
-        for i, t in enumerate(timesteps):
+        timesteps = timesteps.to(self.device)
+        for i in range(steps):
             if should_cancel is not None and should_cancel():
                 raise Cancelled(f"cancelled before step {i + 1} of {steps}")
-            out = self.guided_output(latents, t.to(self.device), cache, guidance_scale, tembs[i : i + 1])
-            latents = sampler.step(out.cpu(), i, latents.cpu(), generator=generator).to(self.device)
+            model_input = sampler.scale_model_input(latents, i)
+            out = self.guided_output(model_input, timesteps[i], cache, guidance_scale, tembs[i : i + 1])
+            latents = sampler.step(out, i, latents, generator=generator)
             if on_step is not None:
                 on_step(i + 1, steps, latents / scale)
         return latents / scale
 
     @torch.inference_mode()
     def preview(self, latents: torch.Tensor) -> torch.Tensor:
-        """Un-scaled latents (N, C, h, w) -> a coarse (N, 3, h, w) RGB image in [-1, 1] by the fitted 1×1 map."""
+        """Un-scaled latents (N, C, h, w) -> a coarse (N, 3, h, w) RGB image in [-1, 1] by the model's 1×1 map."""
+        if self.model.preview is None:
+            raise ValueError("preview_every: this model has no preview map")
         return self.model.preview(latents.to(self.device)).clamp(-1.0, 1.0)

@@ -1,18 +1,20 @@
 """The `vae` application: genserve.v1.Vae (Encode, Decode, Reconstruct) on Ray Serve.
 
-The diffusion app calls `Decode` on this application through a deployment handle, so the two scale apart.
+The diffusion app calls `Decode` on this application through a deployment handle, so the two scale apart. It
+serves the demo VAE (32x32 images, 4x8x8 latents) or a diffusers AutoencoderKL folder (a Stable Diffusion
+pipeline's ``vae/``: any size whose sides are multiples of 8, up to MAX_PIXELS).
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
+from pathlib import Path
 from typing import Any
 
 import torch
 from genserve.v1 import common_pb2, vae_pb2
 from grpc_health.v1 import health_pb2
-from pydantic import Field, field_validator
+from pydantic import Field
 from ray import serve
 from ray.serve.deployment import Application
 
@@ -20,11 +22,12 @@ from services.common import health
 from services.common.builder import build_app
 from services.common.device import serving_device
 from services.common.errors import InvalidArgument
-from services.common.images import from_png, images_response, tensor_from_message, tensor_message
+from services.common.images import MAX_PIXELS, from_png, images_response, tensor_from_message, tensor_message
 from services.common.metrics import ServiceMetrics
 from services.common.rpc import unary, unknown_rpcs
 from services.common.validation import Request, parse, resolve_seed
-from services.vae.model import load_vae
+from services.vae.autoencoder_kl import is_autoencoder_kl, load_autoencoder_kl
+from services.vae.model import VAE, load_vae
 
 SERVICE = "genserve.v1.Vae"
 MAX_IMAGES = 64
@@ -43,22 +46,13 @@ class ImagesIn(Request):
     seed: int | None = Field(None, ge=0)
 
 
-class TensorIn(Request):
-    shape: list[int]
-    values: list[float]
-
-
-class DecodeIn(Request):
-    latents: TensorIn
-
-    @field_validator("latents")
-    @classmethod
-    def _sized(cls, latents: TensorIn) -> TensorIn:
-        if any(d <= 0 for d in latents.shape) or math.prod(latents.shape) != len(latents.values):
-            raise ValueError(f"shape {latents.shape} does not match {len(latents.values)} values")
-        if not all(math.isfinite(v) for v in latents.values):
-            raise ValueError("values must be finite")
-        return latents
+def load_any_vae(model_dir: str | None, device: torch.device) -> tuple[VAE, bool]:
+    """(the VAE, whether it takes any multiple-of-its-factor size): an AutoencoderKL folder, or our own format."""
+    if model_dir is not None and is_autoencoder_kl(model_dir):
+        return load_autoencoder_kl(model_dir, device=device), True
+    if model_dir is not None and (Path(model_dir) / "model_index.json").is_file():
+        return load_autoencoder_kl(Path(model_dir) / "vae", device=device), True
+    return load_vae(model_dir, device=device), False
 
 
 @serve.deployment(name="Vae")
@@ -67,19 +61,32 @@ class Vae:
     def __init__(self, model_dir: str | None):
         self.metrics = ServiceMetrics("vae")
         self.device = serving_device()
-        self.vae = load_vae(model_dir, device=self.device)
+        self.vae, self.any_size = load_any_vae(model_dir, self.device)
         self.latent_shape = tuple(self.vae.config.latent_shape)
         self.image_size = self.vae.config.image_size
+        self.factor = self.vae.config.downsample_factor
 
     def _images(self, images: list[ImageIn]) -> torch.Tensor:
-        return torch.stack([from_png(img.png, self.image_size, f"images[{i}].png") for i, img in enumerate(images)])
+        size = None if self.any_size else self.image_size
+        decoded = [from_png(img.png, size, f"images[{i}].png", self.factor) for i, img in enumerate(images)]
+        if len({tuple(x.shape) for x in decoded}) > 1:
+            raise InvalidArgument("images", "must all have one size")
+        return torch.stack(decoded)
 
-    def _latents(self, latents: TensorIn) -> torch.Tensor:
-        shape = tuple(latents.shape)
-        if len(shape) != 4 or shape[1:] != self.latent_shape or not 1 <= shape[0] <= MAX_IMAGES:
-            expected = f"(N, {', '.join(map(str, self.latent_shape))}) with N in 1..{MAX_IMAGES}"
-            raise InvalidArgument("latents.shape", f"got {list(shape)}, expected {expected}")
-        return tensor_from_message(latents.shape, latents.values)
+    def _latents(self, request: vae_pb2.DecodeRequest) -> torch.Tensor:
+        if not request.HasField("latents"):
+            raise InvalidArgument("latents", "is required")
+        shape = tuple(request.latents.shape)
+        channels = self.latent_shape[0]
+        if self.any_size:
+            fits = len(shape) == 4 and shape[1] == channels and shape[2] * shape[3] * self.factor**2 <= MAX_PIXELS
+            expected = f"(N, {channels}, h, w) with h*w*{self.factor ** 2} <= {MAX_PIXELS} pixels"
+        else:
+            fits = len(shape) == 4 and shape[1:] == self.latent_shape
+            expected = f"(N, {', '.join(map(str, self.latent_shape))})"
+        if not fits or not 1 <= shape[0] <= MAX_IMAGES:
+            raise InvalidArgument("latents.shape", f"got {list(shape)}, expected {expected} with N in 1..{MAX_IMAGES}")
+        return tensor_from_message(request.latents, "latents")
 
     @unary(vae_pb2.EncodeRequest, vae_pb2.EncodeResponse)
     async def Encode(self, request: vae_pb2.EncodeRequest) -> vae_pb2.EncodeResponse:
@@ -105,7 +112,7 @@ class Vae:
 
     @unary(vae_pb2.DecodeRequest, common_pb2.ImagesResponse)
     async def Decode(self, request: vae_pb2.DecodeRequest) -> common_pb2.ImagesResponse:
-        z = self._latents(parse(DecodeIn, request).latents)
+        z = self._latents(request)
 
         def run() -> torch.Tensor:
             with torch.inference_mode():

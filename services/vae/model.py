@@ -8,8 +8,9 @@ downsampling and nearest-upsample + conv upsampling (Remark 4: no checkerboard a
 The module tree follows diffusers' ``AutoencoderKL`` (``encoder.conv_in``, ``encoder.down_blocks.N.resnets.M``,
 ``encoder.down_blocks.N.downsamplers.0.conv``, ``encoder.mid_block.resnets.M``, ``encoder.conv_norm_out``,
 ``encoder.conv_out``, ``quant_conv``, ``post_quant_conv``, ``decoder.*`` with ``up_blocks.N.upsamplers.0.conv``) so
-a loader can map its checkpoints onto ours by name. The one difference: no mid-block attention (at 8×8 the
-convolutions already see the whole latent).
+a loader maps its checkpoints onto ours by name (services/vae/autoencoder_kl.py). ``mid_attention`` adds the
+mid-block self-attention of the Stable Diffusion autoencoder; the demo model has none (at 8×8 the convolutions
+already see the whole latent).
 
 Objective (the negative ELBO with a weighted KL, per element):
     L = mean (x - D(z))² + β · mean KL(N(μ, σ²) ‖ N(0, 1)),  z = μ + σ·ε,
@@ -29,6 +30,7 @@ from torch import nn
 from shared.blocks.conv import Conv2d, Downsample, Upsample
 from shared.blocks.norms import group_norm
 from shared.blocks.residual import ResBlock
+from shared.blocks.spatial_attention import SpatialSelfAttention
 from shared.checkpoint import load_weights, read_config
 
 DEFAULT_WEIGHTS = Path(__file__).parent / "weights"
@@ -46,6 +48,9 @@ class VAEConfig:
     norm_groups: int = 8
     kl_weight: float = 1e-5
     scaling_factor: float = 1.0
+    # The SD autoencoder's self-attention between the two mid-block ResBlocks (diffusers' mid_block_add_attention).
+    mid_attention: bool = False
+    norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
         if self.in_channels < 1:
@@ -78,10 +83,11 @@ class VAEConfig:
 class DownBlock(nn.Module):
     """ResBlocks at one resolution, then (optionally) a stride-2 downsample; diffusers' DownEncoderBlock2D."""
 
-    def __init__(self, in_ch: int, out_ch: int, layers: int, groups: int, downsample: bool) -> None:
+    def __init__(self, in_ch: int, out_ch: int, layers: int, groups: int, downsample: bool, eps: float = 1e-6
+                 ) -> None:
         super().__init__()
         self.resnets = nn.ModuleList(
-            [ResBlock(in_ch if i == 0 else out_ch, out_ch, groups=groups) for i in range(layers)]
+            [ResBlock(in_ch if i == 0 else out_ch, out_ch, groups=groups, eps=eps) for i in range(layers)]
         )
         # padding=0 + asymmetric pad: the SD/diffusers VAE encoder convention, so weights map one to one.
         self.downsamplers = nn.ModuleList([Downsample(out_ch, padding=0)]) if downsample else None
@@ -97,10 +103,11 @@ class DownBlock(nn.Module):
 class UpBlock(nn.Module):
     """ResBlocks at one resolution, then (optionally) nearest-upsample + conv; diffusers' UpDecoderBlock2D."""
 
-    def __init__(self, in_ch: int, out_ch: int, layers: int, groups: int, upsample: bool) -> None:
+    def __init__(self, in_ch: int, out_ch: int, layers: int, groups: int, upsample: bool, eps: float = 1e-6
+                 ) -> None:
         super().__init__()
         self.resnets = nn.ModuleList(
-            [ResBlock(in_ch if i == 0 else out_ch, out_ch, groups=groups) for i in range(layers)]
+            [ResBlock(in_ch if i == 0 else out_ch, out_ch, groups=groups, eps=eps) for i in range(layers)]
         )
         self.upsamplers = nn.ModuleList([Upsample(out_ch)]) if upsample else None
 
@@ -113,16 +120,19 @@ class UpBlock(nn.Module):
 
 
 class MidBlock(nn.Module):
-    """Two ResBlocks at the lowest resolution (diffusers' UNetMidBlock2D without its attention)."""
+    """Two ResBlocks at the lowest resolution, with a SpatialSelfAttention between them when ``attention``
+    (diffusers' UNetMidBlock2D)."""
 
-    def __init__(self, channels: int, groups: int) -> None:
+    def __init__(self, channels: int, groups: int, attention: bool = False, eps: float = 1e-6) -> None:
         super().__init__()
-        self.resnets = nn.ModuleList([ResBlock(channels, groups=groups) for _ in range(2)])
+        self.resnets = nn.ModuleList([ResBlock(channels, groups=groups, eps=eps) for _ in range(2)])
+        self.attentions = nn.ModuleList([SpatialSelfAttention(channels, groups, eps=eps)]) if attention else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for resnet in self.resnets:
-            x = resnet(x)
-        return x
+        x = self.resnets[0](x)
+        if self.attentions is not None:
+            x = self.attentions[0](x)
+        return self.resnets[1](x)
 
 
 class Encoder(nn.Module):
@@ -134,12 +144,13 @@ class Encoder(nn.Module):
         self.conv_in = Conv2d(config.in_channels, chans[0], 3, padding=1)
         self.down_blocks = nn.ModuleList(
             [
-                DownBlock(chans[max(i - 1, 0)], c, config.layers_per_block, config.norm_groups, i < len(chans) - 1)
+                DownBlock(chans[max(i - 1, 0)], c, config.layers_per_block, config.norm_groups, i < len(chans) - 1,
+                          config.norm_eps)
                 for i, c in enumerate(chans)
             ]
         )
-        self.mid_block = MidBlock(chans[-1], config.norm_groups)
-        self.conv_norm_out = group_norm(chans[-1], config.norm_groups)
+        self.mid_block = MidBlock(chans[-1], config.norm_groups, config.mid_attention, config.norm_eps)
+        self.conv_norm_out = group_norm(chans[-1], config.norm_groups, config.norm_eps)
         self.conv_out = Conv2d(chans[-1], 2 * config.latent_channels, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -157,14 +168,15 @@ class Decoder(nn.Module):
         super().__init__()
         chans = tuple(reversed(config.block_out_channels))
         self.conv_in = Conv2d(config.latent_channels, chans[0], 3, padding=1)
-        self.mid_block = MidBlock(chans[0], config.norm_groups)
+        self.mid_block = MidBlock(chans[0], config.norm_groups, config.mid_attention, config.norm_eps)
         self.up_blocks = nn.ModuleList(
             [
-                UpBlock(chans[max(i - 1, 0)], c, config.layers_per_block + 1, config.norm_groups, i < len(chans) - 1)
+                UpBlock(chans[max(i - 1, 0)], c, config.layers_per_block + 1, config.norm_groups, i < len(chans) - 1,
+                        config.norm_eps)
                 for i, c in enumerate(chans)
             ]
         )
-        self.conv_norm_out = group_norm(chans[-1], config.norm_groups)
+        self.conv_norm_out = group_norm(chans[-1], config.norm_groups, config.norm_eps)
         self.conv_out = Conv2d(chans[-1], config.in_channels, 3, padding=1)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:

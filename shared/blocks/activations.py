@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import nn
+
+
+class QuickGELU(nn.Module):
+    """z sigmoid(1.702 z): the sigmoid approximation of GELU that CLIP was trained with (Hendrycks & Gimpel 2016)."""
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return z * torch.sigmoid(1.702 * z)
+
 
 _ACTIVATIONS: dict[str, Callable[..., nn.Module]] = {
     "sigmoid": nn.Sigmoid,  # 1 / (1 + e^{-z})
@@ -17,6 +26,7 @@ _ACTIVATIONS: dict[str, Callable[..., nn.Module]] = {
     "leaky_relu": nn.LeakyReLU,  # max(alpha z, z), alpha = negative_slope << 1
     "gelu": nn.GELU,  # z Phi(z), exact Gaussian CDF
     "gelu_tanh": lambda: nn.GELU(approximate="tanh"),  # the tanh approximation of Phi used by GPT-2
+    "quick_gelu": QuickGELU,
     "silu": nn.SiLU,  # z sigmoid(z), a.k.a. Swish
     "swish": nn.SiLU,
 }

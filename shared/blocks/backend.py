@@ -211,7 +211,7 @@ class TorchBackend(ReferenceBackend):
         return super().group_norm(x, groups, weight, bias, eps, silu=silu)
 
     def spatial_transformer(self, x, block, context) -> torch.Tensor | None:
-        if x.device.type != "cpu" or block.training or _needs_grad(x, block.proj_in.weight):
+        if x.device.type != "cpu" or block.training or not block.fusable or _needs_grad(x, block.proj_in.weight):
             return None
         from kernels import cpu_spatial_transformer
 

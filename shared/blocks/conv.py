@@ -93,7 +93,10 @@ class Upsample(nn.Module):
         super().__init__()
         self.conv = Conv2d(channels, out_channels or channels, 3, padding=1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, size: tuple[int, int] | None = None) -> torch.Tensor:
+        """``size``: the output (H, W) when it is not exactly 2H × 2W (a U-Net skip of odd size)."""
+        if size is not None and tuple(size) != (2 * x.shape[-2], 2 * x.shape[-1]):
+            return self.conv(F.interpolate(x, size=size, mode="nearest"))
         return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))  # (B, C, 2H, 2W)
 
 

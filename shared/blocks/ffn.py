@@ -1,4 +1,5 @@
-"""Feedforward networks: the MLP of Def. 1, the GELU FFN of the Transformer block, SwiGLU (Def. 20, Remark 15)."""
+"""Feedforward networks: the MLP of Def. 1, the GELU FFN of the Transformer block, SwiGLU (Def. 20, Remark 15) and
+GEGLU (Shazeer 2020), the feedforward of Stable Diffusion's transformer blocks."""
 
 from __future__ import annotations
 
@@ -48,6 +49,32 @@ class GeluFFN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
+
+
+class GEGLU(nn.Module):
+    """GEGLU(x) = (x W + b) * GELU(x V + c) (Shazeer 2020, Eq. 5), with W and V stacked in one projection `proj`
+    (2·hidden × dim) whose first half is the value and second half the gate, as diffusers stores it."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, 2 * hidden_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        value, gate = self.proj(x).chunk(2, dim=-1)  # (..., hidden) each
+        return value * nn.functional.gelu(gate)
+
+
+class GegluFFN(nn.Module):
+    """FFN(x) = W_2 GEGLU(x) + b_2; names follow diffusers' FeedForward (`net.0.proj`, `net.2`) so its checkpoints
+    map 1:1 (`net.1` is diffusers' dropout, which holds no weights)."""
+
+    def __init__(self, dim: int, hidden_dim: int | None = None) -> None:
+        super().__init__()
+        hidden_dim = hidden_dim or 4 * dim
+        self.net = nn.ModuleList([GEGLU(dim, hidden_dim), nn.Identity(), nn.Linear(hidden_dim, dim)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net[2](self.net[0](x))
 
 
 def swiglu_hidden_dim(dim: int, multiple_of: int = 256) -> int:

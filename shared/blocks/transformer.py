@@ -37,12 +37,14 @@ class TransformerBlockConfig:
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     norm_eps: float = 1e-6
     # attention
-    attn_bias: bool = False  # q/k/v bias (Qwen2)
+    attn_bias: bool = False  # q/k/v bias (Qwen2, CLIP)
+    attn_out_bias: bool = False  # output-projection bias (CLIP)
     gated_attention: bool = False  # Def. 18
     rope_interleaved: bool = False
     # feedforward
     ffn: Literal["swiglu", "gelu", "moe"] = "swiglu"
     ffn_hidden_dim: int | None = None  # None: swiglu_hidden_dim(dim) or 4 dim for gelu
+    ffn_act: str = "gelu"  # the "gelu" FFN's activation (activations.py), e.g. CLIP's "quick_gelu"
     n_experts: int = 0
     top_k: int = 0
     n_shared_experts: int = 0
@@ -64,7 +66,7 @@ def _ffn(c: TransformerBlockConfig) -> nn.Module:
     if c.ffn == "swiglu":
         return SwiGLU(c.dim, c.ffn_hidden_dim)
     if c.ffn == "gelu":
-        return GeluFFN(c.dim, c.ffn_hidden_dim)
+        return GeluFFN(c.dim, c.ffn_hidden_dim, act=c.ffn_act)
     return MoE(c.dim, c.n_experts, c.top_k, c.ffn_hidden_dim, c.n_shared_experts)
 
 
@@ -82,6 +84,7 @@ class TransformerBlock(nn.Module):
             c.n_kv_heads,
             c.head_dim,
             bias=c.attn_bias,
+            out_bias=c.attn_out_bias,
             gated=c.gated_attention,
             rope_interleaved=c.rope_interleaved,
             backend=backend,

@@ -8,14 +8,15 @@ passes so that each cross-attention projects the text to keys and values once fo
 
 The module tree follows diffusers' UNet2DConditionModel (`conv_in`, `time_embedding`, `down_blocks.N.{resnets,
 attentions,downsamplers}`, `mid_block`, `up_blocks.N.{resnets,attentions,upsamplers}`, `conv_norm_out`, `conv_out`)
-so a loader can map its checkpoints. Differences a loader must bridge: `proj_in`/`proj_out` are linear (diffusers'
-`use_linear_projection=True` form) and the transformer feedforward is a GELU FFN (`ff.fc1`, `ff.fc2`) rather than
-diffusers' GEGLU (`ff.net.0.proj`, `ff.net.2`).
+so a loader maps its checkpoints by name (services/diffusion/sd_unet.py). ``ff`` picks the transformer feedforward:
+a GELU FFN (`ff.fc1`, `ff.fc2`; the demo model, which the fused CPU kernel runs) or diffusers' GEGLU (`ff.net.0.proj`,
+`ff.net.2`). `proj_in`/`proj_out` are linear; a checkpoint's 1×1-conv form is the same map on the channel axis.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
@@ -23,7 +24,7 @@ from torch import nn
 from shared.blocks.backend import Backend, PreparedWeights, get_backend
 from shared.blocks.conv import Conv2d, Downsample, Upsample
 from shared.blocks.cross_attention import ContextCache, CrossAttention
-from shared.blocks.ffn import GeluFFN
+from shared.blocks.ffn import GegluFFN, GeluFFN
 from shared.blocks.norms import group_norm
 from shared.blocks.positions import TimestepEmbedding, timestep_embedding
 from shared.blocks.residual import ResBlock
@@ -44,7 +45,13 @@ class UNetConfig:
     attention_levels: tuple[int, ...] = (1, 2)
     cross_attention_dim: int | None = 64
     head_dim: int = 32
+    # Heads per level (diffusers' num_attention_heads; the middle block uses the last): head_dim = channels / heads.
+    # None: every level uses ``head_dim``.
+    attention_heads: tuple[int, ...] | None = None
     norm_groups: int = 32
+    resnet_eps: float = 1e-6
+    out_norm_eps: float = 1e-5  # conv_norm_out's
+    ff: Literal["gelu", "geglu"] = "gelu"
     # Width of the timestep embedding MLP; None means 4 × block_out_channels[0] (the DDPM/SD choice).
     time_embed_dim: int | None = None
     dropout: float = 0.0
@@ -55,13 +62,15 @@ class UNetConfig:
         for c in self.block_out_channels:
             if c % self.norm_groups:
                 raise ValueError(f"norm_groups ({self.norm_groups}) must divide every block_out_channels, got {c}")
+        if self.attention_heads is not None and len(self.attention_heads) != len(self.block_out_channels):
+            raise ValueError(f"attention_heads must give one count per level, got {self.attention_heads}")
         for level in self.attention_levels:
             if not 0 <= level < len(self.block_out_channels):
                 raise ValueError(f"attention_levels entries must index block_out_channels, got {level}")
-            if self.block_out_channels[level] % self.head_dim:
-                raise ValueError(f"head_dim ({self.head_dim}) must divide the channels of attention level {level}")
-        if self.block_out_channels[-1] % self.head_dim:
-            raise ValueError(f"head_dim ({self.head_dim}) must divide the middle block's channels")
+            self._check_heads(level, f"attention level {level}")
+        self._check_heads(len(self.block_out_channels) - 1, "the middle block")
+        if self.ff not in ("gelu", "geglu"):
+            raise ValueError(f"ff must be 'gelu' or 'geglu', got {self.ff!r}")
         if self.layers_per_block < 1:
             raise ValueError(f"layers_per_block must be >= 1, got {self.layers_per_block}")
         if self.in_channels < 1 or self.out_channels < 1:
@@ -71,28 +80,43 @@ class UNetConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
+    def _check_heads(self, level: int, where: str) -> None:
+        channels = self.block_out_channels[level]
+        if self.attention_heads is not None:
+            if self.attention_heads[level] < 1 or channels % self.attention_heads[level]:
+                raise ValueError(f"attention_heads ({self.attention_heads[level]}) must divide the channels of "
+                                 f"{where} ({channels})")
+        elif channels % self.head_dim:
+            raise ValueError(f"head_dim ({self.head_dim}) must divide the channels of {where}")
+
+    def level_head_dim(self, level: int) -> int:
+        """Per-head width of the transformer blocks at ``level``."""
+        if self.attention_heads is None:
+            return self.head_dim
+        return self.block_out_channels[level] // self.attention_heads[level]
+
     @property
     def temb_dim(self) -> int:
         return self.time_embed_dim or 4 * self.block_out_channels[0]
 
     @property
     def downsample_factor(self) -> int:
-        """H and W must be multiples of this."""
+        """How much the lowest level shrinks H and W (sizes that do not divide round up, as in diffusers)."""
         return 2 ** (len(self.block_out_channels) - 1)
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm block: x + SelfAttn(LN x), then x + CrossAttn(LN x, context), then x + FFN(LN x) (diffusers'
-    BasicTransformerBlock names: norm1/attn1, norm2/attn2, norm3/ff)."""
+class BasicTransformerBlock(nn.Module):
+    """Pre-norm block: x + SelfAttn(LN x), then x + CrossAttn(LN x, context), then x + FFN(LN x), with diffusers'
+    names and layout (norm1/attn1, norm2/attn2, norm3/ff); ``ff`` is "gelu" or "geglu"."""
 
-    def __init__(self, dim: int, n_heads: int, head_dim: int, context_dim: int | None) -> None:
+    def __init__(self, dim: int, n_heads: int, head_dim: int, context_dim: int | None, ff: str = "gelu") -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
         self.attn1 = CrossAttention(dim, None, n_heads, head_dim)
         self.norm2 = nn.LayerNorm(dim) if context_dim else None
         self.attn2 = CrossAttention(dim, context_dim, n_heads, head_dim) if context_dim else None
         self.norm3 = nn.LayerNorm(dim)
-        self.ff = GeluFFN(dim, 4 * dim)
+        self.ff = GegluFFN(dim, 4 * dim) if ff == "geglu" else GeluFFN(dim, 4 * dim)
 
     def forward(self, x: torch.Tensor, context: Context) -> torch.Tensor:
         x = x + self.attn1(self.norm1(x))
@@ -104,20 +128,25 @@ class TransformerBlock(nn.Module):
 
 
 class SpatialTransformer(nn.Module):
-    """Image tokens through one TransformerBlock: GroupNorm -> proj_in -> block -> proj_out, plus the input. The
-    backend may run the whole of it as one fused call (on the CPU: kernels/cpu_spatial_transformer.py), keeping what
-    it derives from the weights in ``self.prepared``."""
+    """Image tokens through one BasicTransformerBlock: GroupNorm -> proj_in -> block -> proj_out, plus the input
+    (diffusers' Transformer2DModel). The backend may run the whole of a GELU-FFN one as one fused call (on the CPU:
+    kernels/cpu_spatial_transformer.py), keeping what it derives from the weights in ``self.prepared``."""
 
     def __init__(self, channels: int, head_dim: int, context_dim: int | None, groups: int,
-                 backend: Backend | None = None) -> None:
+                 backend: Backend | None = None, ff: str = "gelu") -> None:
         super().__init__()
         self.norm = group_norm(channels, groups, eps=1e-6)
         self.proj_in = nn.Linear(channels, channels)
-        self.transformer_blocks = nn.ModuleList([TransformerBlock(channels, channels // head_dim, head_dim,
-                                                                  context_dim)])
+        self.transformer_blocks = nn.ModuleList([BasicTransformerBlock(channels, channels // head_dim, head_dim,
+                                                                       context_dim, ff)])
         self.proj_out = nn.Linear(channels, channels)
         self.backend = backend or get_backend()
         self.prepared = PreparedWeights()
+
+    @property
+    def fusable(self) -> bool:
+        """Whether the fused kernel's layout fits: one block with the GELU FFN."""
+        return isinstance(self.transformer_blocks[0].ff, GeluFFN)
 
     def kernel_weights(self) -> dict:
         """The parameters and sizes under the argument names of kernels.cpu_spatial_transformer.BlockWeights."""
@@ -165,14 +194,17 @@ class DownBlock(nn.Module):
     """``layers_per_block`` residual blocks (each optionally followed by a SpatialTransformer), then a stride-2
     Downsample unless it is the last level. Returns the output and every intermediate for the skip stack."""
 
-    def __init__(self, in_ch: int, out_ch: int, config: UNetConfig, attention: bool, downsample: bool) -> None:
+    def __init__(self, in_ch: int, out_ch: int, config: UNetConfig, level: int, attention: bool, downsample: bool
+                 ) -> None:
         super().__init__()
         n, g = config.layers_per_block, config.norm_groups
         self.resnets = nn.ModuleList(
-            ResBlock(in_ch if i == 0 else out_ch, out_ch, config.temb_dim, g, config.dropout) for i in range(n)
+            ResBlock(in_ch if i == 0 else out_ch, out_ch, config.temb_dim, g, config.dropout, config.resnet_eps)
+            for i in range(n)
         )
         self.attentions = nn.ModuleList(
-            SpatialTransformer(out_ch, config.head_dim, config.cross_attention_dim, g) for _ in range(n)
+            SpatialTransformer(out_ch, config.level_head_dim(level), config.cross_attention_dim, g, ff=config.ff)
+            for _ in range(n)
         ) if attention else None
         self.downsamplers = nn.ModuleList([Downsample(out_ch)]) if downsample else None
 
@@ -195,9 +227,11 @@ class MidBlock(nn.Module):
 
     def __init__(self, channels: int, config: UNetConfig) -> None:
         super().__init__()
-        g = config.norm_groups
-        self.resnets = nn.ModuleList(ResBlock(channels, channels, config.temb_dim, g, config.dropout) for _ in range(2))
-        self.attentions = nn.ModuleList([SpatialTransformer(channels, config.head_dim, config.cross_attention_dim, g)])
+        g, level = config.norm_groups, len(config.block_out_channels) - 1
+        self.resnets = nn.ModuleList(ResBlock(channels, channels, config.temb_dim, g, config.dropout, config.resnet_eps)
+                                     for _ in range(2))
+        self.attentions = nn.ModuleList([SpatialTransformer(channels, config.level_head_dim(level),
+                                                            config.cross_attention_dim, g, ff=config.ff)])
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor, context: Context) -> torch.Tensor:
         x = self.resnets[0](x, temb)
@@ -209,16 +243,17 @@ class UpBlock(nn.Module):
     """``layers_per_block + 1`` residual blocks, each eating one skip by concatenation (the long skip
     connections), optionally followed by a SpatialTransformer; then nearest-Upsample unless it is the top level."""
 
-    def __init__(self, in_ch: int, skip_chs: list[int], out_ch: int, config: UNetConfig, attention: bool,
-                 upsample: bool) -> None:
+    def __init__(self, in_ch: int, skip_chs: list[int], out_ch: int, config: UNetConfig, level: int,
+                 attention: bool, upsample: bool) -> None:
         super().__init__()
-        g = config.norm_groups
+        g, eps = config.norm_groups, config.resnet_eps
         self.resnets = nn.ModuleList(
-            ResBlock((in_ch if i == 0 else out_ch) + skip, out_ch, config.temb_dim, g, config.dropout)
+            ResBlock((in_ch if i == 0 else out_ch) + skip, out_ch, config.temb_dim, g, config.dropout, eps)
             for i, skip in enumerate(skip_chs)
         )
         self.attentions = nn.ModuleList(
-            SpatialTransformer(out_ch, config.head_dim, config.cross_attention_dim, g) for _ in skip_chs
+            SpatialTransformer(out_ch, config.level_head_dim(level), config.cross_attention_dim, g, ff=config.ff)
+            for _ in skip_chs
         ) if attention else None
         self.upsamplers = nn.ModuleList([Upsample(out_ch)]) if upsample else None
 
@@ -229,7 +264,8 @@ class UpBlock(nn.Module):
             if self.attentions is not None:
                 x = self.attentions[i](x, context)
         if self.upsamplers is not None:
-            x = self.upsamplers[0](x)  # (B, C, 2H, 2W)
+            # (B, C, 2H, 2W), or the next skip's size where the encoder rounded an odd size up
+            x = self.upsamplers[0](x, size=tuple(skips[-1].shape[-2:]))
         return x
 
 
@@ -248,7 +284,8 @@ class UNet(nn.Module):
         for level, out_ch in enumerate(chs):
             in_ch = chs[max(level - 1, 0)]
             last = level == n_levels - 1
-            self.down_blocks.append(DownBlock(in_ch, out_ch, config, level in config.attention_levels, not last))
+            self.down_blocks.append(DownBlock(in_ch, out_ch, config, level, level in config.attention_levels,
+                                              not last))
             skip_stack += [out_ch] * config.layers_per_block + ([] if last else [out_ch])
 
         self.mid_block = MidBlock(chs[-1], config)
@@ -258,10 +295,10 @@ class UNet(nn.Module):
         for level in reversed(range(n_levels)):
             skips = [skip_stack.pop() for _ in range(config.layers_per_block + 1)]
             attention = level in config.attention_levels
-            self.up_blocks.append(UpBlock(prev, skips, chs[level], config, attention, upsample=level > 0))
+            self.up_blocks.append(UpBlock(prev, skips, chs[level], config, level, attention, upsample=level > 0))
             prev = chs[level]
 
-        self.conv_norm_out = group_norm(chs[0], config.norm_groups, eps=1e-5)
+        self.conv_norm_out = group_norm(chs[0], config.norm_groups, eps=config.out_norm_eps)
         self.conv_out = Conv2d(chs[0], config.out_channels, 3, padding=1)
 
     def time_embed(self, timesteps: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -273,10 +310,7 @@ class UNet(nn.Module):
                 temb: torch.Tensor | None = None) -> torch.Tensor:
         """``temb`` (B, temb_dim), when given, is ``time_embed(timesteps)`` computed beforehand; (1, temb_dim)
         serves a batch that shares one timestep (it broadcasts where each ResBlock adds it)."""
-        b, _, h, w = sample.shape
-        f = self.config.downsample_factor
-        if h % f or w % f:
-            raise ValueError(f"H and W must be multiples of {f}, got {h}x{w}")
+        b = sample.shape[0]
         if temb is None:
             temb = self.time_embed(timesteps.expand(b) if timesteps.dim() == 0 else timesteps, sample.dtype)
 

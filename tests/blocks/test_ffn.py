@@ -87,6 +87,7 @@ def test_activations_follow_definition_2() -> None:
         "leaky_relu": torch.maximum(0.01 * z, z),
         "gelu": z * phi,
         "gelu_tanh": 0.5 * z * (1 + torch.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z**3))),
+        "quick_gelu": z / (1 + torch.exp(-1.702 * z)),
         "silu": z / (1 + torch.exp(-z)),
         "swish": z / (1 + torch.exp(-z)),
     }
@@ -94,6 +95,7 @@ def test_activations_follow_definition_2() -> None:
     for name, value in expected.items():
         assert torch.allclose(activation(name)(z), value, atol=1e-10), name
     assert torch.allclose(activation("gelu_tanh")(z), z * phi, atol=1e-3)  # the approximation is close to exact
+    assert torch.allclose(activation("quick_gelu")(z), z * phi, atol=0.03)  # CLIP's sigmoid approximation
     assert torch.allclose(activation("leaky_relu", negative_slope=0.2)(z), torch.maximum(0.2 * z, z))
     with pytest.raises(ValueError, match="unknown activation"):
         activation("softplus")

@@ -1,6 +1,9 @@
-"""The generic U-Net: shape round trip at several resolutions, gradient flow, text conditioning, diffusers naming."""
+"""The generic U-Net: shape round trip at several resolutions, gradient flow, text conditioning, and diffusers'
+UNet2DConditionModel's outputs from its own weights."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -67,9 +70,11 @@ def test_timestep_changes_the_output() -> None:
         assert (model(x, torch.tensor([1]), ctx) - model(x, torch.tensor([900]), ctx)).abs().max() > 1e-3
 
 
-def test_rejects_resolutions_the_levels_cannot_halve() -> None:
-    with pytest.raises(ValueError, match="multiples of 4"):
-        UNet(SMALL)(torch.randn(1, 4, 6, 6), torch.tensor([1]), torch.randn(1, 2, 24))
+def test_sizes_the_levels_cannot_halve_round_up_and_come_back() -> None:
+    """6×10 halves to 3×5, then 2×3 (rounded up, as diffusers' stride-2 convs do); each upsample then aims at the
+    size of the skip it meets, so the output is 6×10 again."""
+    out = UNet(SMALL).eval()(torch.randn(1, 4, 6, 10), torch.tensor([1]), torch.randn(1, 2, 24))
+    assert out.shape == (1, 4, 6, 10)
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [
@@ -84,19 +89,26 @@ def test_config_validation_names_the_field(kwargs: dict, field: str) -> None:
         UNetConfig(**{**base, **kwargs})
 
 
-def test_parameter_names_and_shapes_match_diffusers_unet2dcondition() -> None:
-    """Every tensor outside the feedforward has the name and shape diffusers' UNet2DConditionModel gives it."""
+@pytest.mark.parametrize("heads", [None, (2, 4, 8)])
+def test_geglu_unet_gives_diffusers_unet2dcondition_outputs_with_its_weights(heads) -> None:
+    """Values, not names: diffusers' UNet2DConditionModel (linear projections, GEGLU, norm_eps 1e-5) loads into our
+    UNet as it is and gives the same output, with one head width everywhere or a head count per level."""
     from diffusers import UNet2DConditionModel
 
-    chs = SMALL.block_out_channels
-    down = tuple("CrossAttnDownBlock2D" if i in SMALL.attention_levels else "DownBlock2D" for i in range(len(chs)))
-    up = tuple("CrossAttnUpBlock2D" if i in SMALL.attention_levels else "UpBlock2D" for i in reversed(range(len(chs))))
+    config = dataclasses.replace(SMALL, ff="geglu", resnet_eps=1e-5, attention_heads=heads)
+    chs = config.block_out_channels
+    down = tuple("CrossAttnDownBlock2D" if i in config.attention_levels else "DownBlock2D" for i in range(len(chs)))
+    up = tuple("CrossAttnUpBlock2D" if i in config.attention_levels else "UpBlock2D"
+               for i in reversed(range(len(chs))))
+    torch.manual_seed(0)
     ref = UNet2DConditionModel(
         sample_size=8, in_channels=4, out_channels=4, block_out_channels=chs, down_block_types=down,
-        up_block_types=up, layers_per_block=SMALL.layers_per_block, cross_attention_dim=SMALL.cross_attention_dim,
-        attention_head_dim=tuple(c // SMALL.head_dim for c in chs), norm_num_groups=SMALL.norm_groups,
+        up_block_types=up, layers_per_block=config.layers_per_block, cross_attention_dim=config.cross_attention_dim,
+        attention_head_dim=heads or tuple(c // config.head_dim for c in chs), norm_num_groups=config.norm_groups,
         use_linear_projection=True,
-    )
-    ours = {k: v.shape for k, v in UNet(SMALL).state_dict().items() if ".ff." not in k}
-    theirs = {k: v.shape for k, v in ref.state_dict().items() if ".ff." not in k}
-    assert ours == theirs
+    ).eval()
+    ours = UNet(config).eval()
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    x, t, ctx = torch.randn(2, 4, 8, 16), torch.tensor([999, 20]), torch.randn(2, 5, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x, t, ctx), ref(x, t, encoder_hidden_states=ctx).sample, rtol=1e-4, atol=1e-4)

@@ -105,9 +105,9 @@ def _missing_weights() -> list[str]:
 
 
 @contextmanager
-def serving(base: int, log: Path, *options: str) -> Iterator[Stack]:
+def serving(base: int, log: Path, *options: str, env: dict[str, str] | None = None) -> Iterator[Stack]:
     """`python -m services.serve` on the port block of `base` (gRPC base, health base+1, HTTP base-1000, metrics
-    base-998) with `options` added, until the block exits; its output goes to `log`."""
+    base-998) with `options` and `env` added, until the block exits; its output goes to `log`."""
     ports = {"grpc": base, "health": base + 1, "http": base - 1000, "metrics": base - 998}
     busy = [f"{name} {port}" for name, port in ports.items() if not _port_free(port)]
     if busy:
@@ -120,7 +120,7 @@ def serving(base: int, log: Path, *options: str) -> Iterator[Stack]:
         "--metrics-port", str(ports["metrics"]), "--timeout", str(START_TIMEOUT_S - 20), *options,
     ]
     # Metrics every second (Ray's default is 10 s), so a test can watch a counter stop.
-    env = {**os.environ, "RAY_metrics_report_interval_ms": str(METRICS_INTERVAL_MS)}
+    env = {**os.environ, "RAY_metrics_report_interval_ms": str(METRICS_INTERVAL_MS), **(env or {})}
     with log.open("w") as out:
         process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:

@@ -23,6 +23,8 @@ from genserve.v1 import (
 )
 from PIL import Image
 
+from services.client.requests import float32_tensor
+
 pytestmark = pytest.mark.e2e
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -101,13 +103,17 @@ CASES = {
     ),
     "vae-decode-no-latents": Case("vae", "Decode", V.DecodeRequest(), "latents"),
     "vae-decode-wrong-shape": Case(
-        "vae", "Decode", V.DecodeRequest(latents=latents(shape=[1, 4, 4, 4], values=[0.0] * 64)), "latents.shape"
+        "vae", "Decode", V.DecodeRequest(latents=float32_tensor([1, 4, 4, 4], [0.0] * 64)), "latents.shape"
     ),
-    "vae-decode-values-mismatch": Case(
-        "vae", "Decode", V.DecodeRequest(latents=latents(shape=[1, 4, 8, 8], values=[0.0] * 10)), "latents"
+    "vae-decode-bytes-mismatch": Case(
+        "vae", "Decode", V.DecodeRequest(latents=latents(shape=[1, 4, 8, 8], data=b"\0" * 40)), "latents.data"
+    ),
+    "vae-decode-unknown-dtype": Case(
+        "vae", "Decode", V.DecodeRequest(latents=latents(shape=[1, 4, 8, 8], dtype="int8", data=b"\0" * 256)),
+        "latents.dtype"
     ),
     "vae-decode-nan": Case(
-        "vae", "Decode", V.DecodeRequest(latents=latents(shape=[1, 4, 8, 8], values=[NAN] * 256)), "latents"
+        "vae", "Decode", V.DecodeRequest(latents=float32_tensor([1, 4, 8, 8], [NAN] * 256)), "latents.data"
     ),
     "diffusion-empty-prompt": Case("diffusion", "Generate", D.DiffusionRequest(prompt=""), "prompt"),
     "diffusion-negative-too-long": Case(
@@ -126,6 +132,7 @@ CASES = {
         "diffusion", "Generate", D.DiffusionRequest(prompt="a", scheduler="euler_magic"), "scheduler"
     ),
     "diffusion-eta-above-one": Case("diffusion", "Generate", D.DiffusionRequest(prompt="a", eta=2.0), "eta"),
+    "diffusion-width-not-native": Case("diffusion", "Generate", D.DiffusionRequest(prompt="a", width=64), "width"),
     "diffusion-stream-zero-steps": Case(
         "diffusion", "GenerateStream", D.DiffusionRequest(prompt="a", steps=0), "steps"
     ),

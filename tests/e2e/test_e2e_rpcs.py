@@ -12,6 +12,7 @@ from genserve.v1 import common_pb2
 from PIL import Image
 
 from services.client import Client
+from services.client.requests import tensor_values
 
 pytestmark = pytest.mark.e2e
 
@@ -103,15 +104,16 @@ def test_vae_encode_decode_equals_reconstruct(client: Client) -> None:
     pngs = [image.png for image in client.gan_sample(2, seed=5).images]
     encoded = client.vae_encode(pngs)
     assert list(encoded.latents.shape) == [2, 4, 8, 8]
-    assert list(encoded.latents.values) == list(encoded.mean.values)
+    assert encoded.latents.dtype == "float32" and len(encoded.latents.data) == 2 * 4 * 8 * 8 * 4
+    assert encoded.latents.data == encoded.mean.data
     assert list(encoded.logvar.shape) == [2, 4, 8, 8] and encoded.scaling_factor > 0
-    decoded = client.vae_decode(encoded.latents.shape, encoded.latents.values)
+    decoded = client.vae_decode(encoded.latents.shape, tensor_values(encoded.latents))
     reconstructed = client.vae_reconstruct(pngs)
     for d, r in zip(decoded.images, reconstructed.images, strict=True):
         assert np.abs(pixels(d) - pixels(r)).max() <= 1
     sampled = client.vae_encode(pngs, sample=True, seed=3)
-    assert list(sampled.latents.values) != list(sampled.mean.values)
-    assert list(client.vae_encode(pngs, sample=True, seed=3).latents.values) == list(sampled.latents.values)
+    assert sampled.latents.data != sampled.mean.data
+    assert client.vae_encode(pngs, sample=True, seed=3).latents.data == sampled.latents.data
 
 
 def test_diffusion_generate_goes_through_the_vae(client: Client) -> None:

@@ -106,7 +106,7 @@ def _diffusion() -> tuple[int, int, Callable[[], None]]:
     def request() -> None:  # guidance doubles the U-Net batch; the per-step peak does not depend on the step count
         pipe.generate(["a large red circle"] * MAX_IMAGES, steps=2, guidance_scale=3.0, seed=0)
 
-    modules = [m for m in vars(pipe).values() if isinstance(m, torch.nn.Module)]
+    modules = [m for m in vars(pipe.model).values() if isinstance(m, torch.nn.Module)]
     return sum(_module_bytes(m) for m in modules), 0, request
 
 

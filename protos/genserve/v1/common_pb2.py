@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18genserve/v1/common.proto\x12\x0bgenserve.v1\"3\n\x05Image\x12\x0b\n\x03png\x18\x01 \x01(\x0c\x12\r\n\x05width\x18\x02 \x01(\x05\x12\x0e\n\x06height\x18\x03 \x01(\x05\"\'\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x05\x12\x0e\n\x06values\x18\x02 \x03(\x02\"B\n\x0eImagesResponse\x12\"\n\x06images\x18\x01 \x03(\x0b\x32\x12.genserve.v1.Image\x12\x0c\n\x04seed\x18\x02 \x01(\x03\"\x0f\n\rStatusRequest\"\xa3\x01\n\tAppStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x36\n\x08replicas\x18\x03 \x03(\x0b\x32$.genserve.v1.AppStatus.ReplicasEntry\x12\x0f\n\x07message\x18\x04 \x01(\t\x1a/\n\rReplicasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"6\n\x0eStatusResponse\x12$\n\x04\x61pps\x18\x01 \x03(\x0b\x32\x16.genserve.v1.AppStatus2S\n\x0bServeStatus\x12\x44\n\tGetStatus\x12\x1a.genserve.v1.StatusRequest\x1a\x1b.genserve.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18genserve/v1/common.proto\x12\x0bgenserve.v1\"3\n\x05Image\x12\x0b\n\x03png\x18\x01 \x01(\x0c\x12\r\n\x05width\x18\x02 \x01(\x05\x12\x0e\n\x06height\x18\x03 \x01(\x05\"B\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x05\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0cJ\x04\x08\x02\x10\x03R\x06values\"B\n\x0eImagesResponse\x12\"\n\x06images\x18\x01 \x03(\x0b\x32\x12.genserve.v1.Image\x12\x0c\n\x04seed\x18\x02 \x01(\x03\"\x0f\n\rStatusRequest\"\xa3\x01\n\tAppStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x36\n\x08replicas\x18\x03 \x03(\x0b\x32$.genserve.v1.AppStatus.ReplicasEntry\x12\x0f\n\x07message\x18\x04 \x01(\t\x1a/\n\rReplicasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"6\n\x0eStatusResponse\x12$\n\x04\x61pps\x18\x01 \x03(\x0b\x32\x16.genserve.v1.AppStatus2S\n\x0bServeStatus\x12\x44\n\tGetStatus\x12\x1a.genserve.v1.StatusRequest\x1a\x1b.genserve.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,17 +36,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_IMAGE']._serialized_start=41
   _globals['_IMAGE']._serialized_end=92
   _globals['_TENSOR']._serialized_start=94
-  _globals['_TENSOR']._serialized_end=133
-  _globals['_IMAGESRESPONSE']._serialized_start=135
-  _globals['_IMAGESRESPONSE']._serialized_end=201
-  _globals['_STATUSREQUEST']._serialized_start=203
-  _globals['_STATUSREQUEST']._serialized_end=218
-  _globals['_APPSTATUS']._serialized_start=221
-  _globals['_APPSTATUS']._serialized_end=384
-  _globals['_APPSTATUS_REPLICASENTRY']._serialized_start=337
-  _globals['_APPSTATUS_REPLICASENTRY']._serialized_end=384
-  _globals['_STATUSRESPONSE']._serialized_start=386
-  _globals['_STATUSRESPONSE']._serialized_end=440
-  _globals['_SERVESTATUS']._serialized_start=442
-  _globals['_SERVESTATUS']._serialized_end=525
+  _globals['_TENSOR']._serialized_end=160
+  _globals['_IMAGESRESPONSE']._serialized_start=162
+  _globals['_IMAGESRESPONSE']._serialized_end=228
+  _globals['_STATUSREQUEST']._serialized_start=230
+  _globals['_STATUSREQUEST']._serialized_end=245
+  _globals['_APPSTATUS']._serialized_start=248
+  _globals['_APPSTATUS']._serialized_end=411
+  _globals['_APPSTATUS_REPLICASENTRY']._serialized_start=364
+  _globals['_APPSTATUS_REPLICASENTRY']._serialized_end=411
+  _globals['_STATUSRESPONSE']._serialized_start=413
+  _globals['_STATUSRESPONSE']._serialized_end=467
+  _globals['_SERVESTATUS']._serialized_start=469
+  _globals['_SERVESTATUS']._serialized_end=552
 # @@protoc_insertion_point(module_scope)

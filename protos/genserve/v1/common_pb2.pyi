@@ -17,12 +17,14 @@ class Image(_message.Message):
     def __init__(self, png: _Optional[bytes] = ..., width: _Optional[int] = ..., height: _Optional[int] = ...) -> None: ...
 
 class Tensor(_message.Message):
-    __slots__ = ("shape", "values")
+    __slots__ = ("shape", "dtype", "data")
     SHAPE_FIELD_NUMBER: _ClassVar[int]
-    VALUES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
     shape: _containers.RepeatedScalarFieldContainer[int]
-    values: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, shape: _Optional[_Iterable[int]] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
+    dtype: str
+    data: bytes
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ImagesResponse(_message.Message):
     __slots__ = ("images", "seed")

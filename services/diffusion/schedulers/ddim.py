@@ -7,9 +7,9 @@ import torch
 from services.diffusion.schedulers.schedule import (
     NoiseScheduleConfig,
     alphas_cumprod,
+    draw_noise,
     predict_x0_eps,
     spaced_timesteps,
-    step_alphas,
 )
 
 
@@ -22,16 +22,28 @@ class DDIMScheduler:
         self.config = config
         self.eta = eta
         self.alphas_cumprod = alphas_cumprod(config)
+        # ᾱ past the last step: 1 lands on x̂_0 itself; Stable Diffusion 1.x configs keep ᾱ_0.
+        self.final_alpha_cumprod = torch.tensor(1.0) if config.set_alpha_to_one else self.alphas_cumprod[0]
         self.timesteps = spaced_timesteps(config, config.num_train_timesteps)
+        self.init_noise_sigma = 1.0
 
     def set_timesteps(self, num_steps: int) -> torch.Tensor:
         self.timesteps = spaced_timesteps(self.config, num_steps)
         return self.timesteps
 
+    def scale_model_input(self, sample: torch.Tensor, index: int) -> torch.Tensor:
+        """DDIM feeds x_t to the model as it is."""
+        return sample
+
     def step(self, model_output: torch.Tensor, index: int, sample: torch.Tensor,
              generator: torch.Generator | None = None) -> torch.Tensor:
-        """x_t → x_{t'} where t = timesteps[index]; the final step lands on ᾱ = 1 (x_0 itself)."""
-        t, abar_t, abar_prev = step_alphas(self.alphas_cumprod, self.timesteps, index)
+        """x_t → x_{t'} where t = timesteps[index] and t' = t − T/n (diffusers' rule, the next visited timestep for
+        evenly spaced ones); past t = 0 it lands on ``final_alpha_cumprod``. Noise (η > 0) is drawn on the
+        generator's device, then moved, so a CPU generator gives the same draws on every device."""
+        t = int(self.timesteps[index])
+        prev_t = t - self.config.num_train_timesteps // len(self.timesteps)
+        abar_t = self.alphas_cumprod[t]
+        abar_prev = self.alphas_cumprod[prev_t] if prev_t >= 0 else self.final_alpha_cumprod
 
         # 1. "predicted x_0" and the ε it implies (Eq. 12, first term; Eq. 9 inverted).
         x0, eps = predict_x0_eps(self.config, model_output, sample, abar_t)
@@ -43,7 +55,5 @@ class DDIMScheduler:
         # 4. x_{t'} = √ᾱ_{t'} x̂_0 + direction + σ_t z (Eq. 12).
         prev = abar_prev.sqrt() * x0 + direction
         if self.eta > 0:
-            noise = torch.randn(model_output.shape, generator=generator, dtype=model_output.dtype,
-                                device=model_output.device)
-            prev = prev + std * noise
+            prev = prev + std * draw_noise(model_output, generator)
         return prev

@@ -7,6 +7,7 @@ import torch
 from services.diffusion.schedulers.schedule import (
     NoiseScheduleConfig,
     alphas_cumprod,
+    draw_noise,
     predict_x0_eps,
     spaced_timesteps,
     step_alphas,
@@ -20,10 +21,15 @@ class DDPMScheduler:
         self.config = config
         self.alphas_cumprod = alphas_cumprod(config)
         self.timesteps = spaced_timesteps(config, config.num_train_timesteps)
+        self.init_noise_sigma = 1.0
 
     def set_timesteps(self, num_steps: int) -> torch.Tensor:
         self.timesteps = spaced_timesteps(self.config, num_steps)
         return self.timesteps
+
+    def scale_model_input(self, sample: torch.Tensor, index: int) -> torch.Tensor:
+        """DDPM feeds x_t to the model as it is."""
+        return sample
 
     def step(self, model_output: torch.Tensor, index: int, sample: torch.Tensor,
              generator: torch.Generator | None = None) -> torch.Tensor:
@@ -43,6 +49,4 @@ class DDPMScheduler:
             return mean
         # 3. Posterior variance β̃_t = (1 − ᾱ_{t'}) / (1 − ᾱ_t) · β_t (Eq. 7), then x_{t'} = μ̃ + √β̃ z.
         variance = torch.clamp((1 - abar_prev) / (1 - abar_t) * beta_t, min=1e-20)
-        noise = torch.randn(model_output.shape, generator=generator, dtype=model_output.dtype,
-                            device=model_output.device)
-        return mean + variance.sqrt() * noise
+        return mean + variance.sqrt() * draw_noise(model_output, generator)

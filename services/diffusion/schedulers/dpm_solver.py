@@ -19,10 +19,16 @@ class DPMSolverMultistepScheduler:
     def __init__(self, config: NoiseScheduleConfig) -> None:
         self.config = config
         self.alphas_cumprod = alphas_cumprod(config)
+        self.init_noise_sigma = 1.0
         self.set_timesteps(10)
 
     def set_timesteps(self, num_steps: int) -> torch.Tensor:
-        self.timesteps = spaced_timesteps(self.config, num_steps)
+        """diffusers' DPM-Solver spaces "leading" and "linspace" over n + 1 points and drops the last (t = 0 or
+        the offset); "trailing" is the usual one."""
+        if self.config.timestep_spacing == "trailing":
+            self.timesteps = spaced_timesteps(self.config, num_steps)
+        else:
+            self.timesteps = spaced_timesteps(self.config, num_steps + 1)[:-1]
         abar = self.alphas_cumprod[self.timesteps]
         # The schedule ends at σ = 0 (α = 1): the last step returns the data prediction itself.
         self.alpha = torch.cat([abar.sqrt(), torch.ones(1)])
@@ -30,6 +36,10 @@ class DPMSolverMultistepScheduler:
         self.lambdas = torch.log(self.alpha) - torch.log(self.sigma)  # λ = +inf at the end
         self._previous_x0: torch.Tensor | None = None
         return self.timesteps
+
+    def scale_model_input(self, sample: torch.Tensor, index: int) -> torch.Tensor:
+        """DPM-Solver feeds x_t to the model as it is."""
+        return sample
 
     def step(self, model_output: torch.Tensor, index: int, sample: torch.Tensor,
              generator: torch.Generator | None = None) -> torch.Tensor:

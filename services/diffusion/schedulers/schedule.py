@@ -10,15 +10,16 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 BetaSchedule = Literal["linear", "scaled_linear", "squaredcos_cap_v2"]
 PredictionType = Literal["epsilon", "v_prediction"]
-TimestepSpacing = Literal["leading", "trailing"]
+TimestepSpacing = Literal["leading", "trailing", "linspace"]
 
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 PREDICTION_TYPES = ("epsilon", "v_prediction")
-TIMESTEP_SPACINGS = ("leading", "trailing")
+TIMESTEP_SPACINGS = ("leading", "trailing", "linspace")
 
 
 @dataclass(frozen=True)
@@ -30,8 +31,13 @@ class NoiseScheduleConfig:
     beta_end: float = 0.02
     beta_schedule: BetaSchedule = "linear"
     prediction_type: PredictionType = "epsilon"
-    # "leading" (DDIM paper) or "trailing" (Lin et al. 2023, Table 2: starts sampling at t = T − 1).
+    # "leading" (DDIM paper), "trailing" (Lin et al. 2023, Table 2: starts sampling at t = T − 1) or "linspace"
+    # (evenly from T − 1 down to 0); the three spacings of diffusers' schedulers, with their rounding.
     timestep_spacing: TimestepSpacing = "leading"
+    # Added to "leading" timesteps (Stable Diffusion: 1, so sampling ends at t = 1).
+    steps_offset: int = 0
+    # DDIM's ᾱ past the last step: 1 (x_0 itself) or, when False, ᾱ_0 (Stable Diffusion 1.x).
+    set_alpha_to_one: bool = True
     # Clamp the predicted x_0 to [-r, r]; None for latent diffusion, whose latents are not bounded.
     clip_sample_range: float | None = None
 
@@ -47,6 +53,8 @@ class NoiseScheduleConfig:
             raise ValueError(f"prediction_type must be one of {PREDICTION_TYPES}, got {self.prediction_type!r}")
         if self.timestep_spacing not in TIMESTEP_SPACINGS:
             raise ValueError(f"timestep_spacing must be one of {TIMESTEP_SPACINGS}, got {self.timestep_spacing!r}")
+        if self.steps_offset < 0:
+            raise ValueError(f"steps_offset must be >= 0, got {self.steps_offset}")
         if self.clip_sample_range is not None and self.clip_sample_range <= 0:
             raise ValueError(f"clip_sample_range must be positive or None, got {self.clip_sample_range}")
 
@@ -74,16 +82,31 @@ def alphas_cumprod(config: NoiseScheduleConfig) -> torch.Tensor:
 
 
 def spaced_timesteps(config: NoiseScheduleConfig, num_steps: int) -> torch.Tensor:
-    """The descending int64 sub-sequence of [0, T) a sampler visits in ``num_steps`` steps."""
+    """The descending int64 sub-sequence of [0, T) a sampler visits in ``num_steps`` steps, rounded as diffusers
+    rounds it (numpy's round-half-to-even)."""
+    return torch.from_numpy(_spacing(config, num_steps).round().astype(np.int64))
+
+
+def _spacing(config: NoiseScheduleConfig, num_steps: int) -> np.ndarray:
+    """Descending float64 timesteps before rounding; "leading" and "trailing" are integers already."""
     T = config.num_train_timesteps
     if not 1 <= num_steps <= T:
         raise ValueError(f"num_steps must be in [1, {T}], got {num_steps}")
+    if config.timestep_spacing == "linspace":
+        return np.linspace(0, T - 1, num_steps)[::-1].copy()
     if config.timestep_spacing == "leading":
-        ratio = T // num_steps
-        return (torch.arange(num_steps, dtype=torch.int64) * ratio).flip(0)
-    ratio = T / num_steps
+        return (np.arange(0, num_steps) * (T // num_steps))[::-1] + float(config.steps_offset)
     # trailing: T−1, T−1−T/n, ... (rounded); the last step lands near t = T/n − 1.
-    return torch.tensor([round(T - i * ratio) - 1 for i in range(num_steps)], dtype=torch.int64)
+    return np.round(np.arange(T, 0, -T / num_steps)) - 1
+
+
+def float_timesteps(config: NoiseScheduleConfig, num_steps: int) -> torch.Tensor:
+    """Like ``spaced_timesteps`` but float32 and, for "linspace", unrounded: the σ-space samplers (Euler) visit
+    fractional timesteps there, as diffusers' do."""
+    T = config.num_train_timesteps
+    if config.timestep_spacing == "linspace" and 1 <= num_steps <= T:
+        return torch.from_numpy(np.linspace(0, T - 1, num_steps, dtype=np.float32)[::-1].copy())
+    return spaced_timesteps(config, num_steps).to(torch.float32)
 
 
 def _expand(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -131,3 +154,10 @@ def step_alphas(
     prev_t = int(timesteps[index + 1]) if index + 1 < len(timesteps) else -1
     abar_prev = alphas_cumprod[prev_t] if prev_t >= 0 else torch.tensor(1.0)
     return t, alphas_cumprod[t], abar_prev
+
+
+def draw_noise(like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """N(0, I) shaped like ``like``, drawn on the generator's device and then moved to ``like``'s (diffusers'
+    randn_tensor): a CPU generator gives the same numbers whether the loop runs on the CPU or a GPU."""
+    device = generator.device if generator is not None else like.device
+    return torch.randn(like.shape, generator=generator, dtype=like.dtype, device=device).to(like.device)

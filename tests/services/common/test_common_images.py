@@ -6,6 +6,7 @@ import io
 
 import pytest
 import torch
+from genserve.v1 import common_pb2
 from PIL import Image
 
 from services.common.errors import InvalidArgument
@@ -54,8 +55,46 @@ def test_grayscale_is_converted_to_rgb() -> None:
     assert from_png(buffer.getvalue(), 32, "x").eq(1.0).all()
 
 
-def test_tensor_message_round_trip() -> None:
-    tensor = torch.randn(2, 4, 8, 8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_tensor_message_round_trip_in_each_dtype(dtype: torch.dtype) -> None:
+    tensor = torch.randn(2, 4, 8, 8).to(dtype)
     message = tensor_message(tensor)
     assert list(message.shape) == [2, 4, 8, 8]
-    torch.testing.assert_close(tensor_from_message(list(message.shape), list(message.values)), tensor)
+    assert message.dtype == str(dtype).removeprefix("torch.")
+    assert len(message.data) == tensor.numel() * tensor.element_size()  # raw bytes, no per-value framing
+    back = tensor_from_message(message, "latents")
+    assert back.dtype == torch.float32
+    torch.testing.assert_close(back, tensor.float(), rtol=0, atol=0)
+
+
+def test_client_float32_tensor_is_what_the_server_reads() -> None:
+    from services.client.requests import float32_tensor, tensor_values
+
+    values = [0.5, -1.25, 3.0, 1e-3, 7.0, -2.0]
+    message = float32_tensor([1, 2, 3], values)
+    torch.testing.assert_close(tensor_from_message(message, "latents"), torch.tensor(values).reshape(1, 2, 3))
+    assert tensor_values(message) == pytest.approx(values)
+    for dtype in (torch.float16, torch.bfloat16):
+        assert tensor_values(tensor_message(torch.tensor(values).to(dtype))) == pytest.approx(values, rel=1e-2)
+
+
+@pytest.mark.parametrize(("change", "field", "message"), [
+    (dict(dtype="int8"), "latents.dtype", "must be one of"),
+    (dict(shape=[2, 0, 3]), "latents.shape", "positive"),
+    (dict(data=b"\0" * 10), "latents.data", "holds 10 bytes"),
+    (dict(data=torch.tensor([1.0, float("nan"), 0.0, 0.0, 0.0, 0.0]).numpy().tobytes()), "latents.data", "finite"),
+])
+def test_bad_tensor_messages_name_the_field(change: dict, field: str, message: str) -> None:
+    good = tensor_message(torch.zeros(1, 2, 3))
+    bad = common_pb2.Tensor(shape=change.get("shape", list(good.shape)), dtype=change.get("dtype", good.dtype),
+                            data=change.get("data", good.data))
+    with pytest.raises(InvalidArgument, match=message) as info:
+        tensor_from_message(bad, "latents")
+    assert info.value.field == field
+
+
+def test_any_size_png_must_be_a_multiple_of_the_factor() -> None:
+    image = torch.rand(3, 16, 24) * 2 - 1
+    assert from_png(to_png(image), None, "x", 8).shape == (3, 16, 24)
+    with pytest.raises(InvalidArgument, match="multiples of 16"):
+        from_png(to_png(image), None, "x", 16)

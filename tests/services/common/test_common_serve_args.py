@@ -57,3 +57,39 @@ def test_env_vars_set_the_ports(monkeypatch) -> None:
     monkeypatch.setenv("GENSERVE_HEALTH_PORT", "9201")
     args = parse()
     assert (args.grpc_port, args.health_port) == (9200, 9201)
+
+
+def _pipeline_folder(root: Path) -> Path:
+    (root / "vae").mkdir(parents=True)
+    (root / "model_index.json").write_text("{}")
+    return root
+
+
+def test_a_diffusers_folder_serves_its_vae_unless_told_otherwise(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("GENSERVE_VAE_MODEL", raising=False)
+    sd = _pipeline_folder(tmp_path / "sd")
+    apps = {a["name"]: a for a in serve.load_config(parse("--diffusion-model", str(sd)))["applications"]}
+    assert apps["diffusion"]["args"]["model_dir"] == str(sd.resolve())
+    assert apps["vae"]["args"]["model_dir"] == str((sd / "vae").resolve())
+    other = tmp_path / "other-vae"
+    apps = {a["name"]: a for a in serve.load_config(parse("--diffusion-model", str(sd), "--vae-model",
+                                                          str(other)))["applications"]}
+    assert apps["vae"]["args"]["model_dir"] == str(other.resolve())
+    monkeypatch.setenv("GENSERVE_VAE_MODEL", str(other))
+    apps = {a["name"]: a for a in serve.load_config(parse("--diffusion-model", str(sd)))["applications"]}
+    assert apps["vae"]["args"]["model_dir"] is None  # the replica reads GENSERVE_VAE_MODEL itself
+
+
+def test_the_vae_app_follows_genserve_diffusion_model(tmp_path: Path, monkeypatch) -> None:
+    from services.common.builder import resolve_model_dir
+
+    sd = _pipeline_folder(tmp_path / "sd")
+    monkeypatch.delenv("GENSERVE_VAE_MODEL", raising=False)
+    monkeypatch.setenv("GENSERVE_DIFFUSION_MODEL", str(sd))
+    assert resolve_model_dir("vae", None) == str(sd / "vae")
+    assert resolve_model_dir("vae", "/configured") == "/configured"
+    monkeypatch.setenv("GENSERVE_VAE_MODEL", "/from-env")
+    assert resolve_model_dir("vae", None) == "/from-env"
+    monkeypatch.setenv("GENSERVE_DIFFUSION_MODEL", str(tmp_path))  # not a diffusers folder: demo VAE
+    monkeypatch.delenv("GENSERVE_VAE_MODEL")
+    assert resolve_model_dir("vae", None) is None

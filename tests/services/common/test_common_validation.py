@@ -30,8 +30,8 @@ def test_an_optional_set_to_zero_is_kept() -> None:
 
 
 def test_nested_messages_become_dicts() -> None:
-    request = vae_pb2.DecodeRequest(latents=common_pb2.Tensor(shape=[1, 2], values=[0.5, 1.5]))
-    assert message_to_dict(request) == {"latents": {"shape": [1, 2], "values": [0.5, 1.5]}}
+    request = vae_pb2.DecodeRequest(latents=common_pb2.Tensor(shape=[1, 2], dtype="float16", data=b"\1\2\3\4"))
+    assert message_to_dict(request) == {"latents": {"shape": [1, 2], "dtype": "float16", "data": b"\1\2\3\4"}}
     assert message_to_dict(vae_pb2.DecodeRequest()) == {}
 
 

@@ -49,11 +49,11 @@ def _generate_without_cache(pipe: DiffusionPipeline, prompts: list[str], steps: 
     with torch.no_grad():
         context = pipe.encode_prompts(prompts + [""] * n)
         generator = torch.Generator().manual_seed(seed)
-        sampler = make_scheduler("ddim", pipe.config.schedule)
+        sampler = make_scheduler("ddim", pipe.model.schedule("ddim"))
         latents = torch.randn((n, *pipe.latent_shape), generator=generator)
         for i, t in enumerate(sampler.set_timesteps(steps)):
             latents = sampler.step(pipe.guided_output(latents, t, context, w), i, latents, generator=generator)
-    return latents / pipe.config.scaling_factor
+    return latents / pipe.model.scaling_factor
 
 
 @pytest.mark.parametrize("guidance_scale", [3.0, 1.0])
@@ -114,19 +114,19 @@ def test_latents_come_back_unscaled(tiny_pipe: DiffusionPipeline) -> None:
     pipe = tiny_pipe
     latents = pipe.generate(PROMPTS[:1], steps=1, guidance_scale=1.0, seed=5)
     noise = torch.randn((1, *pipe.latent_shape), generator=torch.Generator().manual_seed(5))
-    sampler_t = torch.tensor(pipe.config.schedule.num_train_timesteps - 1)
+    sampler_t = torch.tensor(pipe.model.schedule("ddim").num_train_timesteps - 1)
     with torch.no_grad():
         v = pipe.model.unet(noise, sampler_t.expand(1), pipe.encode_prompts(PROMPTS[:1]))
-    abar = alphas_cumprod(pipe.config.schedule)[-1]
+    abar = alphas_cumprod(pipe.model.schedule("ddim"))[-1]
     x0 = abar.sqrt() * noise - (1 - abar).sqrt() * v
-    torch.testing.assert_close(latents, x0 / pipe.config.scaling_factor, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(latents, x0 / pipe.model.scaling_factor, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [
     ({"steps": 0}, "steps"),
     ({"steps": MAX_STEPS + 1}, "steps"),
     ({"guidance_scale": -1.0}, "guidance_scale"),
-    ({"scheduler": "euler"}, "scheduler"),
+    ({"scheduler": "heun"}, "scheduler"),
     ({"eta": 2.0}, "eta"),
     ({"negative_prompts": ["x"]}, "negative_prompts"),
 ])
@@ -163,3 +163,19 @@ def test_committed_weights_load_and_generate() -> None:
     latents = pipe.generate(["a large blue square at the bottom right"], steps=2, seed=0)
     assert latents.shape == (1, *pipe.latent_shape)
     assert torch.isfinite(latents).all()
+
+
+def test_the_loop_never_copies_to_the_host(tiny_pipe: DiffusionPipeline, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every step stays on the pipeline's device: no .cpu(), .item() or .tolist() on any tensor inside generate()
+    (the samplers' own schedules are host tensors from the start and are only indexed)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("host copy inside the denoising loop")
+
+    reference = tiny_pipe.generate(PROMPTS, steps=3, seed=2, scheduler="dpmpp_2m")
+    for name in ("cpu", "item", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    for scheduler in SCHEDULERS:
+        latents = tiny_pipe.generate(PROMPTS, steps=3, seed=2, scheduler=scheduler, eta=0.5)
+        assert latents.shape == (2, *tiny_pipe.latent_shape)
+    monkeypatch.undo()
+    torch.testing.assert_close(tiny_pipe.generate(PROMPTS, steps=3, seed=2, scheduler="dpmpp_2m"), reference)

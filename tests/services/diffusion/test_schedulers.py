@@ -13,6 +13,7 @@ from services.diffusion.schedulers import (
     DDIMScheduler,
     DDPMScheduler,
     DPMSolverMultistepScheduler,
+    EulerDiscreteScheduler,
     NoiseScheduleConfig,
     make_scheduler,
 )
@@ -115,10 +116,85 @@ def test_ddim_last_step_returns_x0_prediction() -> None:
 def test_make_scheduler_names_and_errors() -> None:
     config = NoiseScheduleConfig()
     kinds = [type(make_scheduler(name, config)) for name in SCHEDULERS]
-    assert kinds == [DDPMScheduler, DDIMScheduler, DPMSolverMultistepScheduler]
+    assert kinds == [DDPMScheduler, DDIMScheduler, DPMSolverMultistepScheduler, EulerDiscreteScheduler]
     with pytest.raises(ValueError, match="scheduler"):
-        make_scheduler("euler", config)
+        make_scheduler("heun", config)
     with pytest.raises(ValueError, match="beta_schedule"):
         NoiseScheduleConfig(beta_schedule="sigmoid")
     with pytest.raises(ValueError, match="num_steps"):
         DDIMScheduler(config).set_timesteps(0)
+
+
+# Stable Diffusion 1.x's scheduler settings: scaled-linear betas, "leading" + steps_offset 1, ᾱ_0 past the end.
+SD_CONFIG = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear")
+
+
+@pytest.mark.parametrize("spacing", ["leading", "linspace", "trailing"])
+@pytest.mark.parametrize("steps", [20, 7])
+def test_ddim_with_sd_settings_matches_diffusers(spacing: str, steps: int) -> None:
+    """steps_offset, set_alpha_to_one=False, and diffusers' t' = t − T/n even where n does not divide T."""
+    config = NoiseScheduleConfig(**SD_CONFIG, timestep_spacing=spacing, steps_offset=1, set_alpha_to_one=False)
+    ref = RefDDIM(**SD_CONFIG, timestep_spacing=spacing, steps_offset=1, set_alpha_to_one=False, clip_sample=False)
+    _run(DDIMScheduler(config), ref, steps, {"eta": 0.0}, seed=None)
+
+
+@pytest.mark.parametrize("spacing", ["leading", "linspace"])
+def test_dpm_solver_pp_2m_leading_and_linspace_match_diffusers(spacing: str) -> None:
+    config = NoiseScheduleConfig(**SD_CONFIG, timestep_spacing=spacing, steps_offset=1)
+    ref = RefDPM(**SD_CONFIG, timestep_spacing=spacing, steps_offset=1)
+    _run(DPMSolverMultistepScheduler(config), ref, 9, {}, seed=None)
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
+@pytest.mark.parametrize("spacing", ["linspace", "leading", "trailing"])
+def test_euler_matches_diffusers(prediction_type: str, spacing: str) -> None:
+    """Fractional "linspace" timesteps, σ interpolation, init_noise_sigma, input scaling and every step ≤ 1e-5."""
+    from diffusers import EulerDiscreteScheduler as RefEuler
+
+    config = NoiseScheduleConfig(**SD_CONFIG, prediction_type=prediction_type, timestep_spacing=spacing,
+                                 steps_offset=1)
+    ref = RefEuler(**SD_CONFIG, prediction_type=prediction_type, timestep_spacing=spacing, steps_offset=1)
+    ours = EulerDiscreteScheduler(config)
+    timesteps = ours.set_timesteps(9)
+    ref.set_timesteps(9)
+    torch.testing.assert_close(timesteps, ref.timesteps, rtol=0, atol=0)
+    assert ours.init_noise_sigma == pytest.approx(float(ref.init_noise_sigma), rel=1e-6)
+    x_ours = x_ref = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(1)) * ours.init_noise_sigma
+    for i, t in enumerate(ref.timesteps):
+        out_ours = _fake_model(ours.scale_model_input(x_ours, i), int(t))
+        out_ref = _fake_model(ref.scale_model_input(x_ref, t), int(t))
+        x_ours = ours.step(out_ours, i, x_ours)
+        x_ref = ref.step(out_ref, t, x_ref).prev_sample
+        torch.testing.assert_close(x_ours, x_ref, rtol=1e-5, atol=1e-5, msg=f"step {i} (t={float(t)})")
+
+
+def test_scheduler_config_json_reads_like_from_config() -> None:
+    """A folder's DDIM config switched to another sampler keeps its keys and takes that sampler's defaults."""
+    from services.diffusion.sd_schedule import schedule_for
+
+    raw = dict(RefDDIM(**SD_CONFIG, steps_offset=1, set_alpha_to_one=False, clip_sample=False).config)
+    for sampler, ref_cls in (("ddim", RefDDIM), ("dpmpp_2m", RefDPM)):
+        ours = make_scheduler(sampler, schedule_for(raw, sampler, "scheduler_config.json"))
+        ref = ref_cls.from_config(raw)
+        ref.set_timesteps(12)
+        torch.testing.assert_close(ours.set_timesteps(12), ref.timesteps.to(torch.int64), rtol=0, atol=0)
+    legacy = {k: v for k, v in raw.items() if k != "timestep_spacing"}  # SD 1.x files predate the key
+    assert schedule_for(legacy, "euler", "f").timestep_spacing == "linspace"
+    assert schedule_for(legacy, "ddim", "f").timestep_spacing == "leading"
+    assert schedule_for({}, "ddim", "f").clip_sample_range == 1.0  # DDIM's default clip_sample=True
+
+
+@pytest.mark.parametrize(("raw", "sampler", "key"), [
+    ({"trained_betas": [0.1, 0.2]}, "ddim", "trained_betas"),
+    ({"rescale_betas_zero_snr": True}, "ddim", "rescale_betas_zero_snr"),
+    ({"beta_schedule": "sigmoid"}, "ddim", "beta_schedule"),
+    ({"prediction_type": "sample"}, "euler", "prediction_type"),
+    ({"use_karras_sigmas": True}, "dpmpp_2m", "use_karras_sigmas"),
+    ({"algorithm_type": "sde-dpmsolver++"}, "dpmpp_2m", "algorithm_type"),
+    ({"interpolation_type": "log_linear"}, "euler", "interpolation_type"),
+])
+def test_unsupported_scheduler_options_are_refused_by_name(raw: dict, sampler: str, key: str) -> None:
+    from services.diffusion.sd_schedule import schedule_for
+
+    with pytest.raises(ValueError, match=f"scheduler_config.json.*: {key}="):
+        schedule_for(raw, sampler, "scheduler/scheduler_config.json")

@@ -1,0 +1,50 @@
+"""What the pipeline runs, whatever checkpoint it came from: the demo model (services/diffusion/model.py) or a
+Stable-Diffusion-format diffusers folder (services/diffusion/sd_folder.py) both load into these parts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from services.diffusion.schedulers.schedule import NoiseScheduleConfig
+from shared.blocks.unet import UNet
+
+
+@dataclass(frozen=True)
+class DiffusionComponents:
+    unet: UNet
+    text_encoder: nn.Module  # ids (B, T) -> (B, T, cross_attention_dim)
+    tokenizer: Callable[[list[str]], torch.Tensor]  # prompts -> ids (B, T)
+    # The noise schedule each sampler name runs with (a diffusers folder's scheduler_config.json reads per sampler).
+    schedule: Callable[[str], NoiseScheduleConfig]
+    latent_channels: int
+    # The model's native image size in pixels (height, width), and how many pixels one latent cell covers.
+    native_size: tuple[int, int]
+    vae_scale_factor: int
+    # Latents are multiplied by this before diffusion and divided after (Rombach et al. 2022 §4.3.2).
+    scaling_factor: float
+    # width × height at most this many pixels; the demo model serves only its native size.
+    max_pixels: int
+    default_scheduler: str = "ddim"
+    # "demo": w = 1 runs the conditional half only, w = 0 the unconditional; "diffusers": guidance only for w > 1,
+    # as StableDiffusionPipeline does (its do_classifier_free_guidance).
+    guidance: Literal["demo", "diffusers"] = "demo"
+    # un-scaled latents (N, C, h, w) -> a coarse (N, 3, h, w) RGB image; None when the model has none
+    preview: nn.Module | None = None
+
+    def uses_guidance(self, guidance_scale: float) -> bool:
+        """Whether a step runs the unconditional half next to the conditional one."""
+        if self.guidance == "diffusers":
+            return guidance_scale > 1.0
+        return guidance_scale != 1.0
+
+    def to(self, device: str | torch.device) -> DiffusionComponents:
+        for module in (self.unet, self.text_encoder, self.preview):
+            if module is not None:
+                module.to(device).eval()
+        return self

@@ -1,0 +1,73 @@
+"""A Stable-Diffusion-format folder served end to end: GENSERVE_DIFFUSION_MODEL=DIR makes `diffusion` serve it and
+`vae` serve its vae/; a seeded Generate returns diffusers' StableDiffusionPipeline image within 2/255, and a bad
+size is INVALID_ARGUMENT naming the field. Its own small stack (vae + diffusion only), 50 ports above the e2e block.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+
+from services.client import Client, GenserveError
+from services.common.deploy_config import LOCAL_PATH
+from tests.services.diffusion.tiny_sd import build_tiny_sd
+
+pytestmark = pytest.mark.e2e
+PROMPT = "An astronaut riding a horse, oil painting"
+
+
+@pytest.fixture(scope="module")
+def sd_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_sd(tmp_path_factory.mktemp("sd") / "pipeline", latent=8)
+
+
+@pytest.fixture(scope="module")
+def sd_client(sd_folder: Path, tmp_path_factory: pytest.TempPathFactory, serve, base_port: int) -> Iterator[Client]:
+    root = tmp_path_factory.mktemp("sd-stack")
+    config = yaml.safe_load(LOCAL_PATH.read_text())
+    config["applications"] = [app for app in config["applications"] if app["name"] in ("vae", "diffusion")]
+    (root / "serve.yaml").write_text(yaml.safe_dump(config))
+    env = {"GENSERVE_DIFFUSION_MODEL": str(sd_folder)}
+    with serve(base_port + 50, root / "serve.log", "--config", str(root / "serve.yaml"), env=env) as stack:
+        with Client(stack.address, timeout=120) as client:
+            yield client
+
+
+def _pixels(png: bytes) -> np.ndarray:
+    with Image.open(io.BytesIO(png)) as img:
+        return np.asarray(img.convert("RGB"), dtype=np.int16)
+
+
+def test_generate_returns_the_diffusers_image_for_the_seed(sd_folder: Path, sd_client: Client) -> None:
+    from diffusers import StableDiffusionPipeline
+
+    ref = StableDiffusionPipeline.from_pretrained(sd_folder, safety_checker=None, requires_safety_checker=False)
+    ref.set_progress_bar_config(disable=True)
+    expected = ref(PROMPT, num_inference_steps=4, guidance_scale=7.5, height=48, width=80, num_images_per_prompt=2,
+                   generator=torch.Generator("cpu").manual_seed(7), output_type="np").images
+    reply = sd_client.diffuse(PROMPT, steps=4, guidance_scale=7.5, seed=7, num_images=2, width=80, height=48)
+    assert reply.seed == 7 and [(i.width, i.height) for i in reply.images] == [(80, 48), (80, 48)]
+    for image, theirs in zip(reply.images, expected, strict=True):
+        assert np.abs(_pixels(image.png) - np.round(theirs * 255)).max() <= 2
+
+
+def test_bad_size_is_invalid_argument_naming_the_field(sd_client: Client) -> None:
+    with pytest.raises(GenserveError) as info:
+        sd_client.diffuse(PROMPT, steps=1, width=100)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "width" in info.value.details
+
+
+def test_the_vae_app_serves_the_folders_autoencoder(sd_client: Client) -> None:
+    buffer = io.BytesIO()
+    Image.new("RGB", (80, 48), (200, 30, 30)).save(buffer, format="PNG")
+    encoded = sd_client.vae_encode([buffer.getvalue()])
+    assert list(encoded.latents.shape) == [1, 4, 6, 10]
+    assert encoded.scaling_factor == pytest.approx(0.18215)
