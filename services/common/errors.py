@@ -3,7 +3,7 @@
 A handler never builds a status by hand: it raises (or lets the model raise) and `to_status` decides.
 - pydantic `ValidationError` and `InvalidArgument` -> INVALID_ARGUMENT, details naming the field;
 - a service's own errors, passed in `known` with their code (e.g. the text engine's EngineOverloaded ->
-  RESOURCE_EXHAUSTED, the diffusion pipeline's Cancelled -> CANCELLED);
+  RESOURCE_EXHAUSTED, the diffusion pipeline's GenerationCancelled -> CANCELLED);
 - `NotFound` -> NOT_FOUND; `Unimplemented` -> UNIMPLEMENTED; `TimeoutError` -> DEADLINE_EXCEEDED;
 - `asyncio.CancelledError` (the client went away) -> CANCELLED;
 - anything else -> INTERNAL with a short message and the request id: never a traceback or a file path.

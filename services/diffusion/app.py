@@ -39,8 +39,8 @@ from services.diffusion.pipeline import (
     MAX_PROMPT_CHARS,
     MAX_STEPS,
     SCHEDULERS,
-    Cancelled,
     DiffusionPipeline,
+    GenerationCancelled,
 )
 
 SERVICE = "genserve.v1.Diffusion"
@@ -81,7 +81,7 @@ class Diffusion:
     __getattr__ = unknown_rpcs
     # BackPressureError: the `vae` application's queue is full, so this request cannot be decoded now.
     known_errors = {
-        Cancelled: (grpc.StatusCode.CANCELLED, None),
+        GenerationCancelled: (grpc.StatusCode.CANCELLED, None),
         BackPressureError: (grpc.StatusCode.RESOURCE_EXHAUSTED, None),
     }
 

@@ -30,10 +30,10 @@ DEFAULT_STEPS = 20
 DEFAULT_GUIDANCE_SCALE = 3.0
 
 __all__ = ["DEFAULT_GUIDANCE_SCALE", "DEFAULT_STEPS", "MAX_BATCH", "MAX_GUIDANCE_SCALE", "MAX_PROMPT_CHARS",
-           "MAX_STEPS", "SCHEDULERS", "Cancelled", "DiffusionPipeline"]
+           "MAX_STEPS", "SCHEDULERS", "GenerationCancelled", "DiffusionPipeline"]
 
 
-class Cancelled(Exception):
+class GenerationCancelled(Exception):
     """Raised by ``generate`` when ``should_cancel()`` returned True between two steps."""
 
 
@@ -140,7 +140,7 @@ class DiffusionPipeline:
         noise and any sampler noise (same seed, same prompts, same settings: same latents). ``scheduler`` None is
         the model's default; ``height``/``width`` None the native size. ``on_step(step, total, latents)`` runs
         after every step with ``step`` counting from 1; ``should_cancel()`` is checked before every step and raises
-        ``Cancelled``.
+        ``GenerationCancelled``.
         """
         scheduler = scheduler or self.model.default_scheduler
         native_h, native_w = self.model.native_size
@@ -163,7 +163,7 @@ class DiffusionPipeline:
         timesteps = timesteps.to(self.device)
         for i in range(steps):
             if should_cancel is not None and should_cancel():
-                raise Cancelled(f"cancelled before step {i + 1} of {steps}")
+                raise GenerationCancelled(f"cancelled before step {i + 1} of {steps}")
             model_input = sampler.scale_model_input(latents, i)
             out = self.guided_output(model_input, timesteps[i], cache, guidance_scale, tembs[i : i + 1])
             latents = sampler.step(out, i, latents, generator=generator)

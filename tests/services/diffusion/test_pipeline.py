@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.diffusion.model import DEFAULT_WEIGHTS, LatentDiffusion, load_diffusion, save_diffusion
-from services.diffusion.pipeline import MAX_BATCH, MAX_STEPS, SCHEDULERS, Cancelled, DiffusionPipeline
+from services.diffusion.pipeline import MAX_BATCH, MAX_STEPS, SCHEDULERS, DiffusionPipeline, GenerationCancelled
 from services.diffusion.schedulers import make_scheduler
 from services.diffusion.schedulers.schedule import alphas_cumprod
 
@@ -85,7 +85,7 @@ def test_on_step_reports_every_step(tiny_pipe: DiffusionPipeline) -> None:
 def test_cancellation_stops_between_steps(tiny_pipe: DiffusionPipeline) -> None:
     progress = []
     checks = iter([False, False, False, True, True])
-    with pytest.raises(Cancelled):
+    with pytest.raises(GenerationCancelled):
         tiny_pipe.generate(PROMPTS, steps=10, seed=0, on_step=lambda i, n, z: progress.append(i),
                            should_cancel=lambda: next(checks))
     assert progress == [1, 2, 3]
