@@ -4,6 +4,7 @@ one, llama.cpp when installed — and prints every row, the goals and the prefix
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -45,3 +46,25 @@ def test_lm_bench_on_a_gguf_file_prints_every_row_and_goal(tmp_path: Path) -> No
     llama = any(line.startswith("llama.cpp Q4_1") for line in lines)
     assert llama or "llama.cpp: skipped (llama-cpp-python is not installed" in done.stdout
     assert any(line.startswith("(d) TTFT, 512-token system prompt") for line in lines)
+
+
+def _lm_bench():
+    spec = importlib.util.spec_from_file_location("lm_bench", ROOT / "bench" / "lm.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_goal_lines_state_each_ratio_and_verdict_with_and_without_llama_cpp() -> None:
+    lm = _lm_bench()
+    summary = {"HF fp32": (10.0, 20.0, 5.0), "engine fp32": (31.0, 39.0, 71.0), "engine Q4_1": (60.0, 80.0, 40.0),
+               "llama.cpp Q4_1": (80.0, 25.0, 60.0)}
+    lines = lm.goal_lines(summary, "engine Q4_1", "llama.cpp Q4_1")
+    assert lines[0] == "  (a) batch-1 >= 3x HF: engine fp32 3.10x met, engine Q4_1 6.00x met"
+    assert lines[1] == "  (b) 16 mixed >= 2x HF: engine fp32 1.95x MISSED, engine Q4_1 4.00x met"
+    assert lines[2] == "  (c) fp32 >= 70% of roofline: 71.0% met (engine Q4_1: 40.0%)"
+    assert lines[3] == "  batch-1 >= llama.cpp: engine Q4_1 0.75x MISSED"
+    assert lines[4].endswith("engine fp32 1.56x MISSED, engine Q4_1 3.20x met")
+    without = lm.goal_lines({k: v for k, v in summary.items() if not k.startswith("llama")}, "engine Q4_1", None)
+    assert without[:3] == lines[:3] and "not measured" in without[3] and len(without) == 4
