@@ -62,7 +62,7 @@ def image_diffusers(unet: torch.nn.Module, pipe: DiffusionPipeline, steps: int,
                     guidance: float) -> Callable[[int], torch.Tensor]:
     from diffusers import DDIMScheduler
 
-    s = pipe.config.schedule
+    s = pipe.model.schedule("ddim")
     scheduler = DDIMScheduler(num_train_timesteps=s.num_train_timesteps, beta_schedule=s.beta_schedule,
                               prediction_type=s.prediction_type, timestep_spacing=s.timestep_spacing,
                               clip_sample=False)

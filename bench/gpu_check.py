@@ -233,8 +233,9 @@ def diffusion_rows(s: Sizes) -> list[Row]:
     from services.diffusion.model import load_diffusion
     from services.diffusion.pipeline import DiffusionPipeline
 
-    pipe = DiffusionPipeline(load_diffusion(None), device=s.device)
-    twin = diffusers_twin(pipe.model).to(s.device)
+    model = load_diffusion(None)
+    pipe = DiffusionPipeline(model, device=s.device)
+    twin = diffusers_twin(model).to(s.device)
     ours, theirs = time_interleaved(image_ours(pipe, s.diffusion_steps, 3.0),
                                     image_diffusers(twin, pipe, s.diffusion_steps, 3.0), repeats=3)
     ratio = statistics.median(theirs) / statistics.median(ours)
