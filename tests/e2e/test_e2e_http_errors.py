@@ -67,7 +67,7 @@ CASES = {
                              "response_format"),
     "image-too-many": Case("/images/generations", body(prompt="a red circle", n=100), 400, "n"),
     "image-steps-zero": Case("/images/generations", body(prompt="a red circle", steps=0), 400, "steps"),
-    "image-unknown-scheduler": Case("/images/generations", body(prompt="a red circle", scheduler="euler"), 400,
+    "image-unknown-scheduler": Case("/images/generations", body(prompt="a red circle", scheduler="heun"), 400,
                                     "scheduler"),
     "oversized-body": Case("/completions", body(model="text", prompt="a" * (MAX_BODY_BYTES + 1)), 413, None,
                            "request_too_large"),
