@@ -145,10 +145,14 @@ def attention_rows(s: Sizes) -> list[Row]:
 
 
 def copy_bandwidth_gbps(device: str) -> float:
-    """(read + write) bytes per second of a large device-to-device copy."""
-    src = torch.empty(2**30 if device == "cuda" else 2**24, dtype=torch.float16, device=device)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * src.element_size() / timed(lambda: dst.copy_(src), device) / 1e6
+    """(read + write) bytes per second of a large copy on `device`, as the kernel and LM benches measure it."""
+    if device == "cuda":
+        from bench.gpu_kernels import measure_copy_bandwidth
+
+        return measure_copy_bandwidth()
+    from bench.lm import copy_bandwidth_gbs
+
+    return copy_bandwidth_gbs(2**24)
 
 
 def paged_decode_rows(s: Sizes) -> list[Row]:
@@ -177,14 +181,9 @@ def _prompts(s: Sizes, vocab: int) -> list[list[int]]:
     return [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in lens]
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def text_rows(s: Sizes) -> list[Row]:
-    from bench.lm import NullTokenizer, hf_checkpoint
-    from services.text.engine import EngineConfig, LLMEngine, SamplingParams
+    from bench.lm import NullTokenizer, engine_concurrent, hf_checkpoint, hf_static_batch
+    from services.text.engine import EngineConfig, LLMEngine
     from services.text.loader import load_model
 
     dtype_name = "bfloat16" if s.dtype == torch.bfloat16 else "float32"
@@ -193,33 +192,12 @@ def text_rows(s: Sizes) -> list[Row]:
         engine = LLMEngine(load_model(directory, dtype_name, device=s.device), NullTokenizer(),
                            EngineConfig(max_running=max(64, s.concurrent), max_batched_tokens=4096))
 
-    def engine_run(prompts: list[list[int]]) -> float:
-        counts = [0]
-        start = time.perf_counter()
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"r{i}-{start}", prompt, SamplingParams(max_tokens=s.new_tokens, temperature=0),
-                               lambda d: counts.__setitem__(0, counts[0] + len(d.token_ids)))
-        while engine.has_work():
-            engine.step()
-        _sync(s.device)
-        return counts[0] / (time.perf_counter() - start)
-
-    @torch.inference_mode()
-    def hf_run(prompts: list[list[int]]) -> float:
-        width = max(map(len, prompts))
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=s.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=s.device)
-        start = time.perf_counter()
-        hf.generate(ids, attention_mask=mask, max_new_tokens=s.new_tokens, min_new_tokens=s.new_tokens,
-                    do_sample=False, pad_token_id=0)
-        _sync(s.device)
-        return len(prompts) * s.new_tokens / (time.perf_counter() - start)
-
     prompts = _prompts(s, s.text["vocab_size"])
     rows = []
     for label, batch in (("batch 1", prompts[:1]), (f"{s.concurrent} concurrent", prompts)):
-        engine_run(batch[:1]), hf_run(batch[:1])  # warm-up: kernels compiled, graphs captured
-        ours, theirs = engine_run(batch), hf_run(batch)
+        budgets = [s.new_tokens] * len(batch)
+        engine_concurrent(engine, batch[:1], budgets[:1]), hf_static_batch(hf, batch[:1], budgets[:1])  # warm-up
+        (ours, _), (theirs, _) = engine_concurrent(engine, batch, budgets), hf_static_batch(hf, batch, budgets)
         goal = ">= 2x" if batch is prompts else ""
         rows.append(Row(f"text engine {dtype_name}, {label}, {s.new_tokens} new tokens", f"{ours:.0f} tok/s",
                         f"HF {theirs:.0f} tok/s", f"{ours / theirs:.3g}x", goal,

@@ -100,7 +100,7 @@ def fmt(xs: list[float], unit: str = "") -> str:
 
 # ---- (a) batch-1 decode -------------------------------------------------------------------------------------
 def hf_decode_tps(model, prompt: list[int]) -> float:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     with torch.inference_mode():
         t0 = now()
         model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
@@ -144,8 +144,8 @@ def engine_concurrent(engine: LLMEngine, prompts: list[list[int]], budgets: list
 
 def hf_static_batch(model, prompts: list[list[int]], budgets: list[int]) -> tuple[float, list[float]]:
     width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     with torch.inference_mode():
         t0 = now()
         model.generate(ids, attention_mask=mask, max_new_tokens=1, min_new_tokens=1, do_sample=False)
