@@ -3,16 +3,14 @@ the field named (services/text/settings.py)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from services.client import Client
 from services.common.deploy_config import LOCAL_PATH
 
-ROOT = Path(__file__).resolve().parents[2]
 KV_BUDGET = 3 * 2**20
 
 
@@ -39,15 +37,11 @@ def test_dtype_and_kv_budget_from_the_serve_config_take_effect(serve, base_port:
     assert len(reply.token_ids) == 3
 
 
-def test_an_invalid_setting_fails_the_deploy_naming_the_field(base_port: int, tmp_path: Path) -> None:
+def test_an_invalid_setting_fails_the_deploy_naming_the_field(serve, base_port: int, tmp_path: Path) -> None:
     config = _text_only_config(tmp_path, dtype="float8", max_running=0)
-    port = base_port + 30
-    done = subprocess.run(
-        [sys.executable, "-m", "services.serve", "--config", str(config), "--grpc-port", str(port),
-         "--health-port", str(port + 1), "--http-port", str(port - 1000), "--metrics-port", str(port - 998),
-         "--timeout", "120"],
-        cwd=ROOT, capture_output=True, text=True, timeout=240,
-    )
-    assert done.returncode == 1
-    assert "applications failed: text:" in done.stderr
-    assert "dtype" in done.stderr and "max_running" in done.stderr
+    with pytest.raises(RuntimeError, match=r"exit code 1\)"):
+        with serve(base_port + 30, tmp_path / "serve.log", "--config", str(config)):
+            pass
+    log = (tmp_path / "serve.log").read_text()
+    assert "applications failed: text:" in log
+    assert "dtype" in log and "max_running" in log
