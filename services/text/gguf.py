@@ -7,7 +7,7 @@ served dtype; with ``keep_quantized``, `GGUFCheckpoint.quantized_linears` instea
 stored as Q8_0/Q4_0/Q4_1 to the loader as the file's own blocks (shared/blocks/quant_linear.py), never as floats.
 
 llama.cpp's converter permutes the rows of `attn_q`/`attn_k` for the `llama` architecture (its rotary pairs are
-interleaved, HF's are the two halves of each head); `unpermute_rows` undoes that. `qwen2` files are not permuted.
+interleaved, HF's are the two halves of each head); `unpermute_index` undoes that. `qwen2` files are not permuted.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from services.text.config import LlamaConfig
+from shared.blocks.backend import Backend
 
 SUFFIX = ".gguf"
 # GGUF `general.architecture` -> (our architecture name, q/k rows permuted by llama.cpp, q/k/v biases)
@@ -87,14 +88,10 @@ def tensor_weight(tensor: ReaderTensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.array(values, dtype=np.float32, copy=True)).reshape(shape).to(dtype)
 
 
-def unpermute_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo convert_hf_to_gguf's `permute`: within each head, rows go from llama.cpp's interleaved rotary pairs
-    (i, half) back to HF's halves (half, i). Works on a weight (rows, in) or a bias (rows,)."""
-    return weight[unpermute_index(weight.shape[0], n_heads)]
-
-
 def unpermute_index(rows: int, n_heads: int) -> torch.Tensor:
-    """The row order `unpermute_rows` applies: new row i is the file's row index[i] (also for quantized rows)."""
+    """The row order that undoes convert_hf_to_gguf's `permute`: within each head, rows go from llama.cpp's
+    interleaved rotary pairs (i, half) back to HF's halves (half, i). New row i is the file's row index[i], for a
+    weight (rows, in), a bias (rows,) or rows of quantized blocks alike."""
     return torch.arange(rows).reshape(n_heads, rows // n_heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
@@ -207,12 +204,13 @@ class GGUFCheckpoint:
             state[hf_name(tensor.name)] = weight if rows is None else weight[rows]
         return state
 
-    def quant_linear(self, config: LlamaConfig, tensor: ReaderTensor, bias: torch.Tensor | None) -> torch.nn.Module:
+    def quant_linear(self, config: LlamaConfig, tensor: ReaderTensor, bias: torch.Tensor | None,
+                     backend: Backend) -> torch.nn.Module:
         """A QuantLinear over `tensor`'s own blocks, its rows in HF order; `bias` (HF order) is added after."""
         from shared.blocks.quant_linear import QuantLinear
 
         out_features, in_features = (int(n) for n in reversed(tensor.shape.tolist()))
-        layer = QuantLinear.from_gguf(tensor.tensor_type, tensor.data, (out_features, in_features), bias)
+        layer = QuantLinear.from_gguf(tensor.tensor_type, tensor.data, (out_features, in_features), bias, backend)
         rows = self._row_order(config, tensor)
         if rows is not None:
             layer = layer.select_rows(rows)

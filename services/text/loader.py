@@ -105,9 +105,7 @@ def load_model(directory: str | Path | GGUFCheckpoint, dtype: str | None = "floa
         owner = model.get_submodule(parent) if parent else model
         dense = getattr(owner, attr)
         bias = None if dense.bias is None else dense.bias.detach().float()
-        layer = checkpoint.quant_linear(cfg, tensor, bias)
-        layer.backend = model.backend
-        setattr(owner, attr, layer)
+        setattr(owner, attr, checkpoint.quant_linear(cfg, tensor, bias, model.backend))
     return model.to(device).eval()
 
 

@@ -15,7 +15,7 @@ from text_helpers import VOCAB, byte_tokenizer, hf_model
 from tokenizers import Tokenizer
 
 from services.text.engine import EngineConfig, LLMEngine, SamplingParams
-from services.text.gguf import GGUFCheckpoint, tensor_weight, unpermute_rows
+from services.text.gguf import GGUFCheckpoint, tensor_weight, unpermute_index
 from services.text.loader import load_model
 from services.text.tokenizer import NoChatTemplate, TextTokenizer
 from shared.blocks.quant_linear import QuantLinear
@@ -75,7 +75,7 @@ def test_unpermute_inverts_llama_cpp_permutation():
     from gguf_helpers import permute
 
     w = torch.arange(8 * 16 * 3, dtype=torch.float32).reshape(8 * 16, 3)
-    assert torch.equal(unpermute_rows(torch.from_numpy(permute(w.numpy(), 8)), 8), w)
+    assert torch.equal(torch.from_numpy(permute(w.numpy(), 8))[unpermute_index(8 * 16, 8)], w)
     assert not torch.equal(torch.from_numpy(permute(w.numpy(), 8)), w)
 
 
