@@ -9,7 +9,8 @@ chats over each protocol (tokens/s in total).
     .venv/bin/python bench/serving.py --batching [--port 9820 | --address ...]   # the image apps' batching only
 
 `--batching` prints, side by side, N concurrent one-image requests against one N-image request (GAN Sample and VAE
-Reconstruct, N = 32): with dynamic batching (services/common/batcher.py) the ratio approaches 1.
+Reconstruct, N = 32): with dynamic batching (services/common/batcher.py) the ratio approaches 1. A middle row sends
+N requests the gan app rejects before any model call: the cost of N requests through the proxy alone.
 
 Calls in the latency tables are sequential (one in flight) so the figures are latencies, not throughput. When the
 bench starts the stack itself, a last row times the same generation on the engine in-process: the model's share.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -41,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 from genserve.v1 import text_pb2, text_pb2_grpc  # noqa: E402
 
 from services.client import AsyncClient, Client  # noqa: E402
+from services.client.errors import InvalidArgument  # noqa: E402
 from services.serve import READY_LINE  # noqa: E402
 
 INFO = text_pb2.ModelInfo(model_name="plain", architecture="none", vocab_size=1, max_context=1)
@@ -285,8 +288,13 @@ def batching_rows(address: str, n: int, rounds: int) -> list[tuple[str, int, flo
     """(case, N, best seconds of N concurrent one-image requests, best seconds of one N-image request)."""
     with Client(address, timeout=120) as client:
         pngs = [image.png for image in client.gan_sample(n, seed=1).images]
+    async def rejected(client: AsyncClient, i: int) -> None:
+        with contextlib.suppress(InvalidArgument):
+            await client.gan_sample(1, seed=i, truncation=0.01)  # INVALID_ARGUMENT before any model call
+
     cases = {
         "gan Sample": (lambda c, i: c.gan_sample(1, seed=i), lambda c: c.gan_sample(n, seed=0)),
+        "gan, rejected requests (serving floor)": (rejected, lambda c: c.gan_sample(n, seed=0)),
         "vae Reconstruct": (lambda c, i: c.vae_reconstruct([pngs[i]]), lambda c: c.vae_reconstruct(pngs)),
     }
     rows = []
