@@ -16,15 +16,16 @@ from grpc_health.v1 import health_pb2
 
 from . import requests
 from .errors import from_rpc_error
-from .sync import CHANNEL_OPTIONS, DEFAULT_ADDRESS, Stubs, metadata
+from .sync import CHANNEL_OPTIONS, DEFAULT_ADDRESS, Stubs, api_key_or_env, metadata
 
 
 class AsyncClient:
     """genserve over gRPC from asyncio code; use `async with AsyncClient() as client:`."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None):
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None, api_key: str | None = None):
         self.address = address
         self.timeout = timeout
+        self._api_key = api_key_or_env(api_key)
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stubs = Stubs.on(self._channel)
 
@@ -39,12 +40,12 @@ class AsyncClient:
 
     async def _unary(self, method: Any, application: str, request: Any) -> Any:
         try:
-            return await method(request, metadata=metadata(application), timeout=self.timeout)
+            return await method(request, metadata=metadata(application, self._api_key), timeout=self.timeout)
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
 
     async def _stream(self, method: Any, application: str, request: Any) -> AsyncIterator[Any]:
-        call = method(request, metadata=metadata(application), timeout=self.timeout)
+        call = method(request, metadata=metadata(application, self._api_key), timeout=self.timeout)
         try:
             async for message in call:
                 yield message

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from ray import serve
 from ray.serve.deployment import Application
 
+from .gate import Gate
 from .health import ServeStatusCache, start_health_server, status_of
 from .metrics import ServiceMetrics
 from .rpc import unary, unknown_rpcs
@@ -37,6 +38,7 @@ class HealthGateway:
     __getattr__ = unknown_rpcs
     def __init__(self, host: str, port: int):
         self.metrics = ServiceMetrics("health")
+        self.gate = Gate.from_env()  # Check stays open; GetStatus takes a key like any call
         self._cache = ServeStatusCache()
         self._server = start_health_server(host, port, self._cache)
 
