@@ -1,7 +1,9 @@
 """Which calls the SDK retries, and how: a gRPC service-config retry policy (gRFC A6) on a channel of their own.
 
-Only calls whose answer does not depend on when or how often they run are retried, and only after UNAVAILABLE (no
-server took the call: a replica restarting, a server draining, a connection refused), with exponential backoff:
+Only calls whose answer does not depend on when or how often they run are retried, with exponential backoff, and only
+after UNAVAILABLE (no server took the call: a server draining, a connection refused) or INTERNAL, which is how Ray
+Serve's gRPC proxy reports a replica that died in the middle of the call ("The actor died unexpectedly"; the retry
+reaches another replica, or the restarted one). A genuine server error repeats as itself, a second or so later:
 - GetModelInfo, Tokenize, VAE Decode and Reconstruct, GAN Interpolate, health Check and GetStatus: always;
 - GAN Sample and VAE Encode: when the request carries a seed (an unseeded one draws fresh noise each time; an Encode
   without `sample` is the posterior mean, also the same every time).
@@ -22,14 +24,16 @@ IDEMPOTENT = {
     "genserve.v1.ServeStatus": ("GetStatus",),
     "grpc.health.v1.Health": ("Check",),
 }
-# Five attempts is gRPC's ceiling; 0.25 s doubling to 4 s (jittered by gRPC) spans a replica's restart of a few
-# seconds. Throttling stops retries when most calls fail, so a dead server is not hammered.
+# Five attempts is gRPC's ceiling. Each wait is drawn from [0, backoff] with the backoff doubling from 0.1 s, so all
+# retries take at most 1.5 s: a client with no server still hears "failed to connect" within a 2 s deadline, and a
+# call cut off by a dying replica is meanwhile routed to a live one (Serve queues it while none is up). Throttling
+# stops retrying when most calls fail, so a dead server is not hammered.
 RETRY_POLICY = {
     "maxAttempts": 5,
-    "initialBackoff": "0.25s",
-    "maxBackoff": "4s",
+    "initialBackoff": "0.1s",
+    "maxBackoff": "1s",
     "backoffMultiplier": 2,
-    "retryableStatusCodes": ["UNAVAILABLE"],
+    "retryableStatusCodes": ["UNAVAILABLE", "INTERNAL"],
 }
 RETRY_THROTTLING = {"maxTokens": 10, "tokenRatio": 0.5}
 
