@@ -1,5 +1,9 @@
 """`make serve`: start Ray on 127.0.0.1, deploy deploy/serve_config.local.yaml, wait until every app is RUNNING,
-print how to call it, and shut everything down on Ctrl-C or SIGTERM.
+print how to call it, and on Ctrl-C or SIGTERM drain, then shut everything down.
+
+Draining (services/common/drain.py): new calls get UNAVAILABLE (HTTP 503) and health says NOT_SERVING, the calls
+in flight run on for up to --drain-seconds (GENSERVE_DRAIN_SECONDS, 30), the rest end with CANCELLED; then Serve and
+Ray stop and the process exits 0. A second Ctrl-C or SIGTERM skips what is left of the drain.
 
 Ports are flags (or env vars) so that several stacks can share a machine:
   --grpc-port (GENSERVE_GRPC_PORT, 9000)    the Serve gRPC proxy; clients send the `application` metadata
@@ -25,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from services.common import ray_adapter
+from services.common import drain, ray_adapter
 from services.common.auth import INSECURE_ENV, Access
 from services.common.deploy_config import GRPC_PORT, HEALTH_PORT, HTTP_PORT, LOCAL_PATH
 from services.text import default_model
@@ -38,6 +42,7 @@ RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
 }
 METRICS_PORT = 8080
+CUT_GRACE_S = 5.0  # past the drain time: for the replicas to end their calls and the statuses to reach the clients
 READY_LINE = "genserve: ready"
 
 
@@ -67,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dashboard-port", type=int, default=_env_int("GENSERVE_DASHBOARD_PORT", 8265))
     parser.add_argument("--num-cpus", type=float, default=None, help="CPUs Ray may schedule (default: all)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for every app to be RUNNING")
+    parser.add_argument("--drain-seconds", type=float, default=drain.drain_seconds(),
+                        help="on SIGTERM, how long calls in flight may run on (default $GENSERVE_DRAIN_SECONDS or "
+                             f"{drain.DRAIN_SECONDS:.0f}); also how long a replica that scales down waits for them")
     parser.add_argument("--verbose", action="store_true", help="print the replicas' logs here")
     parser.add_argument("--text-model", metavar="PATH", default=None,
                         help="a HF checkpoint directory or a GGUF file for the text app (default: "
@@ -88,6 +96,8 @@ def load_config(args: argparse.Namespace) -> dict[str, Any]:
     config["grpc_options"]["port"] = args.grpc_port
     config["http_options"]["port"] = args.http_port
     for app in config["applications"]:
+        for deployment in app["deployments"]:
+            deployment["graceful_shutdown_timeout_s"] = args.drain_seconds
         if app["name"] == "health":
             app["args"]["port"] = args.health_port
         model_dir = getattr(args, f"{app['name']}_model", None)
@@ -104,14 +114,17 @@ def load_config(args: argparse.Namespace) -> dict[str, Any]:
     return config
 
 
-def start(args: argparse.Namespace, config: dict[str, Any]) -> None:
-    """Start a fresh local Ray (never join another stack's) and submit the config."""
+def start(args: argparse.Namespace, config: dict[str, Any]) -> Any:
+    """Start a fresh local Ray (never join another stack's), create the drain board and submit the config; returns
+    the board."""
     ray_adapter.init_local_ray(
         metrics_port=args.metrics_port, num_cpus=args.num_cpus, include_dashboard=args.dashboard,
         dashboard_port=args.dashboard_port, log_to_driver=args.verbose, namespace="genserve",
         object_store_memory=512 * 2**20,
     )
+    board = drain.create_board()
     ray_adapter.deploy_config(config)
+    return board
 
 
 def wait_ready(names: list[str], timeout: float) -> None:
@@ -132,6 +145,26 @@ def wait_ready(names: list[str], timeout: float) -> None:
             return
         time.sleep(0.5)
     raise RuntimeError(f"not RUNNING after {timeout:.0f} s: {statuses}")
+
+
+def drain_calls(board: Any, seconds: float) -> None:
+    """Stop taking calls, wait until no replica has a call in flight or `seconds` pass; past that, the replicas end
+    their calls (CANCELLED) and report them gone."""
+    import ray
+
+    started = time.monotonic()
+    ray.get(board.start.remote(seconds))
+    print(f"genserve: draining: no new calls; calls in flight may run for {seconds:.0f} s "
+          "(Ctrl-C again to stop now)", flush=True)
+    while (pending := ray.get(board.pending.remote())) and time.monotonic() - started < seconds:
+        time.sleep(drain.POLL_S)
+    if pending:
+        print(f"genserve: drain time over: ending {pending} calls", flush=True)
+        cut_by = time.monotonic() + CUT_GRACE_S
+        while ray.get(board.pending.remote()) and time.monotonic() < cut_by:
+            time.sleep(drain.POLL_S)
+    ray.get(board.stop.remote())
+    print(f"genserve: drained in {time.monotonic() - started:.1f} s", flush=True)
 
 
 def shutdown() -> None:
@@ -206,9 +239,9 @@ def run(args: argparse.Namespace) -> int:
         return 1
     announce(rule)
     config = load_config(args)
-    started = time.monotonic()
+    started, board = time.monotonic(), None
     try:
-        start(args, config)
+        board = start(args, config)
         # After ray.init, which installs its own SIGTERM handler in the driver.
         signal.signal(signal.SIGINT, _raise_stop)
         signal.signal(signal.SIGTERM, _raise_stop)
@@ -219,6 +252,10 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(3600)
     except Stop as stop:
         print(f"genserve: {stop}, shutting down", flush=True)
+        try:
+            drain_calls(board, args.drain_seconds)
+        except Stop:
+            print("genserve: stopping now", flush=True)
         return 0
     except RuntimeError as exc:
         print(f"genserve: {exc}", file=sys.stderr, flush=True)

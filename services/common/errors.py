@@ -7,6 +7,8 @@ A handler never builds a status by hand: it raises (or lets the model raise) and
 - `NotFound` -> NOT_FOUND; `Unimplemented` -> UNIMPLEMENTED; `TimeoutError` -> DEADLINE_EXCEEDED;
 - `Unauthenticated` (no or a wrong API key, services/common/auth.py) -> UNAUTHENTICATED;
 - `RateLimited` (a caller's bucket is empty, services/common/rate_limit.py) -> RESOURCE_EXHAUSTED;
+- `Unavailable` (the stack is draining) -> UNAVAILABLE; `Cancelled` (the drain time ran out) -> CANCELLED, each with
+  its message;
 - `asyncio.CancelledError` (the client went away) -> CANCELLED;
 - anything else -> INTERNAL with a short message and the request id: never a traceback or a file path.
 """
@@ -61,6 +63,14 @@ class RateLimited(Exception):
         return type(self), (self.what, self.retry_after_s)
 
 
+class Unavailable(RuntimeError):
+    """The server takes no new calls now (it is draining); the client may retry, here later or elsewhere."""
+
+
+class Cancelled(RuntimeError):
+    """The server ended a call it had admitted (the drain time ran out), as opposed to the client going away."""
+
+
 @dataclass(frozen=True)
 class Status:
     code: grpc.StatusCode
@@ -107,6 +117,10 @@ def to_status(
         return Status(grpc.StatusCode.UNAUTHENTICATED, _clip(str(exc)))
     if isinstance(exc, RateLimited):
         return Status(grpc.StatusCode.RESOURCE_EXHAUSTED, _clip(str(exc)))
+    if isinstance(exc, Unavailable):
+        return Status(grpc.StatusCode.UNAVAILABLE, _clip(str(exc)))
+    if isinstance(exc, Cancelled):
+        return Status(grpc.StatusCode.CANCELLED, _clip(str(exc)))
     if isinstance(exc, TimeoutError):
         return Status(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
     if isinstance(exc, asyncio.CancelledError):

@@ -35,6 +35,7 @@ from ray.serve.deployment import Application
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.common import drain
 from services.common.builder import handle_to
 from services.common.errors import RateLimited, Unauthenticated, field_path
 from services.common.gate import Gate, Ticket
@@ -77,7 +78,8 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody, "description": what}
     for status, what in ((400, "a field is wrong (`param` names it)"), (404, "unknown model"),
                          (401, "no or a wrong API key"), (413, "body too large"),
-                         (429, "overloaded or rate-limited; see Retry-After"), (500, "internal error"))
+                         (429, "overloaded or rate-limited; see Retry-After"), (500, "internal error"),
+                         (503, "the server is draining (shutting down)"))
 }
 
 
@@ -115,10 +117,24 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
+class DrainGate:
+    """503 for every new request while the stack drains (services/common/drain.py); responses already streaming run
+    on, their calls counted by the replicas behind them."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and drain.watch().current().draining:
+            return await error_response(503, drain.DRAINING_MESSAGE, code="draining")(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 api = FastAPI(title="genserve OpenAI-compatible API", version="1",
               description="Completions, chat and image generation on the genserve stack (docs/protocol.md).",
               docs_url=None, redoc_url=None)
 api.add_middleware(BodyLimit)
+api.add_middleware(DrainGate)
 
 
 def _request_id() -> str:

@@ -1,8 +1,8 @@
 """Errors as OpenAI's error object: `{"error": {"message", "type", "param", "code"}}` with the fitting HTTP status.
 
 The status comes from the one mapping every gRPC handler uses (services/common/errors.py): INVALID_ARGUMENT is 400,
-NOT_FOUND 404, RESOURCE_EXHAUSTED 429 (with Retry-After), UNAUTHENTICATED 401, INTERNAL 500 with only a request
-id. `param` names the
+NOT_FOUND 404, RESOURCE_EXHAUSTED 429 (with Retry-After), UNAUTHENTICATED 401, UNAVAILABLE 503 (draining),
+INTERNAL 500 with only a request id. `param` names the
 field as the client spelled it (`fields` maps the gRPC schema's names, e.g. TextIn's `logprobs`, onto the body's).
 """
 
@@ -28,6 +28,7 @@ HTTP_STATUS = {
     grpc.StatusCode.UNIMPLEMENTED: 501,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
     grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNAVAILABLE: 503,
 }
 ERROR_TYPE = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
               413: "invalid_request_error", 429: "rate_limit_error"}
