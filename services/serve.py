@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from services.common import drain, ray_adapter
-from services.common.auth import INSECURE_ENV, Access
+from services.common.auth import INSECURE_ENV, KEYS_FILE_ENV, Access, insecure
 from services.common.deploy_config import GRPC_PORT, HEALTH_PORT, HTTP_PORT, LOCAL_PATH
 from services.text import default_model
 
@@ -64,8 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Serve's HTTP proxy: the OpenAI-compatible API (default $GENSERVE_HTTP_PORT or 8000)")
     parser.add_argument("--metrics-port", type=int, default=_env_int("GENSERVE_METRICS_PORT", METRICS_PORT),
                         help="Prometheus metrics (default $GENSERVE_METRICS_PORT or 8080)")
-    parser.add_argument("--insecure", action="store_true",
-                        default=os.environ.get(INSECURE_ENV, "").lower() in ("1", "true", "yes"),
+    parser.add_argument("--insecure", action="store_true", default=insecure(),
                         help="with no API keys configured, serve callers from OTHER hosts too (default: only this "
                              "host; $GENSERVE_INSECURE=1 does the same)")
     parser.add_argument("--dashboard", action="store_true", help="also start the Ray dashboard (about 1 GB)")
@@ -206,9 +205,11 @@ def usage(args: argparse.Namespace, config: dict[str, Any]) -> str:
 
 def access(args: argparse.Namespace) -> Access:
     """The key set and peer rule the replicas will apply (they read the same environment), checked here first so a
-    bad key file stops the start-up at once."""
+    bad key file stops the start-up at once. A relative key-file path is made absolute: replicas run elsewhere."""
     if args.insecure:
         os.environ[INSECURE_ENV] = "1"
+    if os.environ.get(KEYS_FILE_ENV):
+        os.environ[KEYS_FILE_ENV] = str(Path(os.environ[KEYS_FILE_ENV]).resolve())
     return Access.from_env()
 
 

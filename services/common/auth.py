@@ -67,6 +67,11 @@ def load_digests(environ: Mapping[str, str] = os.environ) -> tuple[bytes, ...]:
     return tuple(dict.fromkeys(found))
 
 
+def insecure(environ: Mapping[str, str] = os.environ) -> bool:
+    """GENSERVE_INSECURE is set to 1 / true / yes."""
+    return environ.get(INSECURE_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
 def bearer(authorization: str | None) -> str | None:
     """The key in an `authorization: Bearer <key>` value (the scheme in any case), else None."""
     scheme, _, key = (authorization or "").strip().partition(" ")
@@ -112,7 +117,7 @@ class Access:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> Access:
-        return cls(load_digests(environ), environ.get(INSECURE_ENV, "").lower() in ("1", "true", "yes"))
+        return cls(load_digests(environ), insecure(environ))
 
     def _match(self, key: str) -> bytes | None:
         """The configured digest equal to the key's, checking every one of them (constant time in which matches)."""

@@ -106,3 +106,11 @@ def test_a_refusal_carries_the_servers_retry_after(fake_server) -> None:
     with Client(address, timeout=5) as client, pytest.raises(client_errors.InvalidArgument) as info:
         client.generate("hi", temperature=-1.0)
     assert info.value.retry_after_s is None
+
+    async def aio() -> float | None:
+        async with AsyncClient(address, timeout=5) as client:
+            with pytest.raises(client_errors.ResourceExhausted) as refused:
+                await client.generate("busy")
+        return refused.value.retry_after_s
+
+    assert asyncio.run(aio()) == 3.0

@@ -156,3 +156,10 @@ def test_an_http_refusal_is_an_openai_error_with_the_callers_retry_after() -> No
     body = json.loads(limited.body)["error"]
     assert (body["type"], body["code"]) == ("rate_limit_error", "rate_limit_exceeded")
     assert body["message"] == "rate limit of tokens reached for this caller; retry in 7 s"
+
+
+def test_the_fake_context_has_only_methods_of_ray_serves_grpc_context() -> None:
+    from ray.serve.grpc_util import RayServegRPCContext
+
+    used = {name for name in vars(Context) if not name.startswith("_")}
+    assert used <= set(dir(RayServegRPCContext))

@@ -112,8 +112,9 @@ def test_start_up_says_who_may_call_and_insecure_says_it_loudly(monkeypatch, cap
 
 def test_keys_are_checked_before_anything_starts(monkeypatch, tmp_path: Path, capsys) -> None:
     monkeypatch.delenv("GENSERVE_API_KEYS", raising=False)
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "keys").write_text("sha256:1234\n")
-    monkeypatch.setenv("GENSERVE_API_KEYS_FILE", str(tmp_path / "keys"))
+    monkeypatch.setenv("GENSERVE_API_KEYS_FILE", "keys")  # relative: made absolute for the replicas
     monkeypatch.setattr(serve, "start", lambda *a: pytest.fail("started with a bad key file"))
     assert serve.run(parse()) == 1
     assert "API keys: GENSERVE_API_KEYS_FILE line 1: `sha256:` must be followed" in capsys.readouterr().err
@@ -121,3 +122,4 @@ def test_keys_are_checked_before_anything_starts(monkeypatch, tmp_path: Path, ca
     serve.announce(serve.access(parse()))
     out = capsys.readouterr().out
     assert "API keys required (1 configured)" in out and "a-real-key" not in out
+    assert serve.os.environ["GENSERVE_API_KEYS_FILE"] == str(tmp_path / "keys")
