@@ -11,6 +11,10 @@ Ports are flags (or env vars) so that several stacks can share a machine:
   --http-port (GENSERVE_HTTP_PORT, 8000)    the Serve HTTP proxy: the OpenAI-compatible API under /v1
   --metrics-port (GENSERVE_METRICS_PORT, 8080) Ray's Prometheus endpoint, with the genserve_* metrics
 Ray's own ports (GCS, raylet, object manager) are picked free at start.
+
+Who may call (docs/security.md): with GENSERVE_API_KEYS / GENSERVE_API_KEYS_FILE every call needs one of the keys;
+without keys only callers on this host are served, unless --insecure (GENSERVE_INSECURE=1). The replicas read the
+same variables: they inherit this process's environment.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 import yaml
 
 from services.common import drain, ray_adapter
+from services.common.auth import INSECURE_ENV, Access
 from services.common.deploy_config import GRPC_PORT, HEALTH_PORT, HTTP_PORT, LOCAL_PATH
 from services.text import default_model
 
@@ -59,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Serve's HTTP proxy: the OpenAI-compatible API (default $GENSERVE_HTTP_PORT or 8000)")
     parser.add_argument("--metrics-port", type=int, default=_env_int("GENSERVE_METRICS_PORT", METRICS_PORT),
                         help="Prometheus metrics (default $GENSERVE_METRICS_PORT or 8080)")
+    parser.add_argument("--insecure", action="store_true",
+                        default=os.environ.get(INSECURE_ENV, "").lower() in ("1", "true", "yes"),
+                        help="with no API keys configured, serve callers from OTHER hosts too (default: only this "
+                             "host; $GENSERVE_INSECURE=1 does the same)")
     parser.add_argument("--dashboard", action="store_true", help="also start the Ray dashboard (about 1 GB)")
     parser.add_argument("--dashboard-port", type=int, default=_env_int("GENSERVE_DASHBOARD_PORT", 8265))
     parser.add_argument("--num-cpus", type=float, default=None, help="CPUs Ray may schedule (default: all)")
@@ -195,6 +204,26 @@ def usage(args: argparse.Namespace, config: dict[str, Any]) -> str:
     ])
 
 
+def access(args: argparse.Namespace) -> Access:
+    """The key set and peer rule the replicas will apply (they read the same environment), checked here first so a
+    bad key file stops the start-up at once."""
+    if args.insecure:
+        os.environ[INSECURE_ENV] = "1"
+    return Access.from_env()
+
+
+def announce(rule: Access) -> None:
+    """Say who may call; --insecure without keys says it loudly, on stderr too."""
+    print(f"genserve: {rule.describe()}", flush=True)
+    if rule.digests:
+        print("  clients send `authorization: Bearer <key>`: genserve --api-key KEY (or $GENSERVE_API_KEY), the openai "
+              "SDK's api_key=, curl -H 'authorization: Bearer KEY'", flush=True)
+    if rule.insecure and not rule.digests:
+        banner = "!" * 100
+        print(f"{banner}\ngenserve: --insecure: NO API KEYS. Anyone who can reach the gRPC port (Ray binds it on "
+              f"every interface) can use every model.\n{banner}", file=sys.stderr, flush=True)
+
+
 def _raise_stop(signum: int, frame: object) -> None:
     raise Stop(signal.Signals(signum).name)
 
@@ -203,6 +232,12 @@ def run(args: argparse.Namespace) -> int:
     # Before the first `import ray`: Ray reads some of these once, when its constants module loads.
     for key, value in RAY_ENV.items():
         os.environ.setdefault(key, value)
+    try:
+        rule = access(args)
+    except (OSError, ValueError) as exc:
+        print(f"genserve: API keys: {exc}", file=sys.stderr, flush=True)
+        return 1
+    announce(rule)
     config = load_config(args)
     started, board = time.monotonic(), None
     try:

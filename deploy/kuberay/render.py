@@ -51,10 +51,16 @@ class _Dumper(yaml.SafeDumper):
 _Dumper.add_representer(_Block, lambda dumper, data: dumper.represent_scalar("tag:yaml.org,2002:str", data, style="|"))
 
 
+API_KEYS_SECRET = "genserve-api-keys"  # key `keys`: comma-separated API keys (docs/security.md)
+
+
 def _env() -> list[dict]:
+    # Without the secret, only callers inside the pod are served: calls through the Service come from pod IPs.
+    api_keys = {"secretKeyRef": {"name": API_KEYS_SECRET, "key": "keys", "optional": True}}
     return [
         {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"},
         {"name": "GENSERVE_BACKEND", "value": "auto"},
+        {"name": "GENSERVE_API_KEYS", "valueFrom": api_keys},
     ]
 
 

@@ -19,17 +19,18 @@ from grpc_health.v1 import health_pb2
 from . import requests
 from .errors import from_rpc_error
 from .retries import DEFAULT_RETRY, RetryPolicy, remaining, seeded
-from .sync import CHANNEL_OPTIONS, DEFAULT_ADDRESS, Stubs, metadata
+from .sync import CHANNEL_OPTIONS, DEFAULT_ADDRESS, Stubs, api_key_or_env, metadata
 
 
 class AsyncClient:
     """genserve over gRPC from asyncio code; use `async with AsyncClient() as client:`."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None,
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None, api_key: str | None = None,
                  retry: RetryPolicy | None = DEFAULT_RETRY):
         self.address = address
         self.timeout = timeout  # the whole call's, retries included
         self.retry = retry
+        self._api_key = api_key_or_env(api_key)
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stubs = Stubs.on(self._channel)
 
@@ -47,7 +48,7 @@ class AsyncClient:
         attempt = 0
         while True:
             try:
-                return await method(request, metadata=metadata(application), timeout=remaining(deadline))
+                return await method(request, metadata=metadata(application, self._api_key), timeout=remaining(deadline))
             except grpc.RpcError as error:
                 wait = self.retry.delay(error, attempt, deadline) if idempotent and self.retry else None
                 if wait is None:
@@ -56,7 +57,7 @@ class AsyncClient:
             attempt += 1
 
     async def _stream(self, method: Any, application: str, request: Any) -> AsyncIterator[Any]:
-        call = method(request, metadata=metadata(application), timeout=self.timeout)
+        call = method(request, metadata=metadata(application, self._api_key), timeout=self.timeout)
         try:
             async for message in call:
                 yield message

@@ -1,5 +1,5 @@
-"""The blocking client: one channel to the Serve gRPC proxy, the `application` metadata set per call; idempotent
-unary calls are retried (services/client/retries.py)."""
+"""The blocking client: one channel to the Serve gRPC proxy, the `application` metadata (and the API key's
+`authorization: Bearer <key>`) set per call; idempotent unary calls are retried (services/client/retries.py)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from .errors import from_rpc_error
 from .retries import DEFAULT_RETRY, RetryPolicy, remaining, seeded
 
 DEFAULT_ADDRESS = os.environ.get("GENSERVE_ADDRESS", "127.0.0.1:9000")
+API_KEY_ENV = "GENSERVE_API_KEY"
 # Images and latents of a full batch stay well under this.
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
@@ -52,18 +53,27 @@ class Stubs:
         )
 
 
-def metadata(application: str) -> tuple[tuple[str, str], ...]:
-    return (("application", application),)
+def metadata(application: str, api_key: str | None = None) -> tuple[tuple[str, str], ...]:
+    """The routing metadata, and the key as gRPC's conventional bearer token (docs/security.md)."""
+    key = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+    return (("application", application), *key)
+
+
+def api_key_or_env(api_key: str | None) -> str | None:
+    """The key given, else $GENSERVE_API_KEY, else None (a server without keys serves this host without one)."""
+    return api_key or os.environ.get(API_KEY_ENV) or None
 
 
 class Client:
-    """genserve over gRPC. Every method raises a services.client.errors.GenserveError subclass on failure."""
+    """genserve over gRPC. Every method raises a services.client.errors.GenserveError subclass on failure.
+    `api_key` (default $GENSERVE_API_KEY) goes with every call."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None,
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None, api_key: str | None = None,
                  retry: RetryPolicy | None = DEFAULT_RETRY):
         self.address = address
         self.timeout = timeout  # the whole call's, retries included
         self.retry = retry
+        self._api_key = api_key_or_env(api_key)
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stubs = Stubs.on(self._channel)
 
@@ -81,7 +91,7 @@ class Client:
         attempt = 0
         while True:
             try:
-                return method(request, metadata=metadata(application), timeout=remaining(deadline))
+                return method(request, metadata=metadata(application, self._api_key), timeout=remaining(deadline))
             except grpc.RpcError as error:
                 wait = self.retry.delay(error, attempt, deadline) if idempotent and self.retry else None
                 if wait is None:
@@ -90,7 +100,7 @@ class Client:
             attempt += 1
 
     def _stream(self, method: Any, application: str, request: Any) -> Iterator[Any]:
-        call = method(request, metadata=metadata(application), timeout=self.timeout)
+        call = method(request, metadata=metadata(application, self._api_key), timeout=self.timeout)
         try:
             yield from call
         except grpc.RpcError as error:

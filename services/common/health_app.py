@@ -21,6 +21,7 @@ from ray import serve
 from ray.serve.deployment import Application
 
 from . import drain
+from .gate import Gate
 from .health import NOT_SERVING, ServeStatusCache, start_health_server, status_of, watch_status
 from .metrics import ServiceMetrics
 from .rpc import streaming, unary, unknown_rpcs
@@ -40,6 +41,7 @@ class HealthGateway:
     __getattr__ = unknown_rpcs
     def __init__(self, host: str, port: int):
         self.metrics = ServiceMetrics("health")
+        self.gate = Gate.from_env()  # Check stays open; GetStatus takes a key like any call
         self._cache = ServeStatusCache()
         self._server = start_health_server(host, port, self._cache)
 

@@ -4,7 +4,8 @@ A deployment method named after its RPC is decorated with `unary(RequestType, Re
 `streaming(RequestType)`. The wrapped method only validates, calls the model and builds the reply; whatever it
 raises is turned into a status by services/common/errors.py and set on Ray Serve's `grpc_context`, so no
 traceback ever reaches the client.
-The deployment provides `self.metrics` (a ServiceMetrics) and may provide `known_errors` (see errors.to_status).
+The deployment provides `self.metrics` (a ServiceMetrics), `self.gate` (a services.common.gate.Gate: API keys, the
+peer rule and rate limits, checked first) and may provide `known_errors` (see errors.to_status).
 While the stack drains (services/common/drain.py), `_admit` refuses new calls from clients with UNAVAILABLE and
 `_in_flight` counts the calls that run, so that the drain can wait for them and, past its deadline, cut them short.
 """
@@ -103,10 +104,13 @@ def unary(request_type: type[Message], response_type: type[Message]) -> Callable
             start, code, request_id = time.perf_counter(), "OK", request_id_of(grpc_context)
             self.metrics.request_started()
             try:
+                ticket = self.gate.admit_grpc(request, grpc_context)
                 _check_request_type(fn.__name__, self, request, request_type)
                 _admit(request, grpc_context)
                 with _in_flight(request):
-                    return await fn(self, request)
+                    reply = await fn(self, request)
+                ticket.charge(reply)
+                return reply
             except asyncio.CancelledError:
                 code = "CANCELLED"
                 raise
@@ -136,11 +140,13 @@ def streaming(request_type: type[Message]) -> Callable:
             start, code, request_id = time.perf_counter(), "OK", request_id_of(grpc_context)
             self.metrics.request_started()
             try:
+                ticket = self.gate.admit_grpc(request, grpc_context)
                 _check_request_type(fn.__name__, self, request, request_type)
                 _admit(request, grpc_context)
                 with _in_flight(request):
                     async with contextlib.aclosing(fn(self, request)) as messages:
                         async for message in messages:
+                            ticket.charge(message)
                             yield message
             except (asyncio.CancelledError, GeneratorExit):
                 code = "CANCELLED"

@@ -14,8 +14,9 @@ from ray import serve
 from ray.serve.deployment import Application
 
 from services.common import health
-from services.common.builder import build_app
+from services.common.builder import AppArgs, build_app
 from services.common.device import serving_device
+from services.common.gate import Gate
 from services.common.images import images_response
 from services.common.metrics import ServiceMetrics
 from services.common.rpc import streaming, unary, unknown_rpcs
@@ -47,8 +48,9 @@ class InterpolateIn(Request):
 class ImageGan:
     __getattr__ = unknown_rpcs
 
-    def __init__(self, model_dir: str | None):
+    def __init__(self, model_dir: str | None, settings: AppArgs | None = None):
         self.metrics = ServiceMetrics("gan")
+        self.gate = Gate.from_env((settings or AppArgs()).rate_limits)
         self.generator = load_generator(model_dir, device=serving_device())
         self.z_dim = self.generator.config.z_dim
 

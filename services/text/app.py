@@ -27,6 +27,7 @@ from ray.serve.deployment import Application
 from services.common import health
 from services.common.builder import build_app
 from services.common.errors import InvalidArgument
+from services.common.gate import Gate
 from services.common.metrics import ServiceMetrics
 from services.common.rpc import streaming, unary, unknown_rpcs
 from services.common.validation import MAX_SEED, Request, parse, resolve_seed
@@ -165,6 +166,7 @@ class TextGeneration:
     def __init__(self, model_dir: str | None, settings: TextArgs | None = None):
         settings = settings or TextArgs()
         self.metrics = ServiceMetrics("text")
+        self.gate = Gate.from_env(settings.rate_limits)
         self.engine = AsyncLLMEngine.from_dir(model_dir, dtype=settings.dtype, config=settings.engine_config(),
                                               stall_s=settings.stall_seconds)
         self.metrics.cpu_kernels(self.engine.engine.runner.cpu_kernels)

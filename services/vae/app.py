@@ -20,9 +20,10 @@ from ray import serve
 from ray.serve.deployment import Application
 
 from services.common import health
-from services.common.builder import build_app
+from services.common.builder import AppArgs, build_app
 from services.common.device import serving_device
 from services.common.errors import InvalidArgument
+from services.common.gate import Gate
 from services.common.images import MAX_PIXELS, from_png, images_response, tensor_from_message, tensor_message
 from services.common.metrics import ServiceMetrics
 from services.common.rpc import streaming, unary, unknown_rpcs
@@ -59,8 +60,9 @@ def load_any_vae(model_dir: str | None, device: torch.device) -> tuple[VAE, bool
 @serve.deployment(name="Vae")
 class Vae:
     __getattr__ = unknown_rpcs
-    def __init__(self, model_dir: str | None):
+    def __init__(self, model_dir: str | None, settings: AppArgs | None = None):
         self.metrics = ServiceMetrics("vae")
+        self.gate = Gate.from_env((settings or AppArgs()).rate_limits)
         self.device = serving_device()
         self.vae, self.any_size = load_any_vae(model_dir, self.device)
         self.latent_shape = tuple(self.vae.config.latent_shape)

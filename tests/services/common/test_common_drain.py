@@ -11,8 +11,10 @@ from genserve.v1 import text_pb2
 from grpc_health.v1 import health_pb2
 
 from services.common import drain
+from services.common.auth import Access
 from services.common.drain import CUT_MESSAGE, DRAINING_MESSAGE, FRESH_S, DrainBoard, DrainState, DrainWatch
 from services.common.errors import Cancelled
+from services.common.gate import Gate
 from services.common.metrics import ServiceMetrics
 from services.common.rpc import StatusSet, streaming, unary
 
@@ -25,6 +27,12 @@ class FakeContext:
 
     def request_id(self) -> str:
         return "req-1"
+
+    def invocation_metadata(self) -> tuple:
+        return ()
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:50000"
 
     def set_code(self, code: grpc.StatusCode) -> None:
         self.code = code
@@ -110,6 +118,7 @@ def test_past_the_deadline_the_watch_cancels_its_calls_as_cancelled() -> None:
 class Slow:
     def __init__(self) -> None:
         self.metrics = ServiceMetrics("test")
+        self.gate = Gate(Access())  # no keys: this host's calls are served
 
     @unary(text_pb2.TextRequest, text_pb2.TextResponse)
     async def Generate(self, request: text_pb2.TextRequest) -> text_pb2.TextResponse:
