@@ -32,7 +32,7 @@ DRAIN_S = 40.0
 STREAMS = 8
 # The grammar holds the demo model to about 190 tokens, no early EOS: ~11 s for all 8 at once on 2 busy cores.
 SHORT = r"(the cat sat on the mat\. ){10}"
-TEXT = (("application", "text"),)
+TEXT, HEALTH = (("application", "text"),), (("application", "health"),)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 EXIT_TIMEOUT_S = 90.0
@@ -150,7 +150,7 @@ async def drain_scenario(stack: Any) -> dict:
                 grpc.aio.insecure_channel(stack.health_address, options=options) as health_channel):
         text = text_pb2_grpc.TextGenerationStub(channel)
         port_watch = health_pb2_grpc.HealthStub(health_channel).Watch(health_pb2.HealthCheckRequest(), timeout=300)
-        app_watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), metadata=TEXT,
+        app_watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), metadata=HEALTH,
                                                               timeout=300)
         seen["watch_before"] = [(await port_watch.read()).status, (await app_watch.read()).status]
 
