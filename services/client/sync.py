@@ -1,10 +1,10 @@
-"""The blocking client: two channels to the Serve gRPC proxy (idempotent unary calls on one that retries UNAVAILABLE,
-services/client/retries.py; the rest on one that never retries), the `application` metadata (and the API key's
-`authorization: Bearer <key>`) set per call."""
+"""The blocking client: one channel to the Serve gRPC proxy, the `application` metadata (and the API key's
+`authorization: Bearer <key>`) set per call; idempotent unary calls are retried (services/client/retries.py)."""
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +23,9 @@ from genserve.v1 import (
 )
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from . import requests, retries
+from . import requests
 from .errors import from_rpc_error
+from .retries import DEFAULT_RETRY, RetryPolicy, remaining, seeded
 
 DEFAULT_ADDRESS = os.environ.get("GENSERVE_ADDRESS", "127.0.0.1:9000")
 API_KEY_ENV = "GENSERVE_API_KEY"
@@ -67,18 +68,17 @@ class Client:
     """genserve over gRPC. Every method raises a services.client.errors.GenserveError subclass on failure.
     `api_key` (default $GENSERVE_API_KEY) goes with every call."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None, api_key: str | None = None):
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None, api_key: str | None = None,
+                 retry: RetryPolicy | None = DEFAULT_RETRY):
         self.address = address
-        self.timeout = timeout
+        self.timeout = timeout  # the whole call's, retries included
+        self.retry = retry
         self._api_key = api_key_or_env(api_key)
-        self._channel = grpc.insecure_channel(address, CHANNEL_OPTIONS + retries.channel_options(retrying=False))
-        self._retrying = grpc.insecure_channel(address, CHANNEL_OPTIONS + retries.channel_options(retrying=True))
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stubs = Stubs.on(self._channel)
-        self._idempotent = Stubs.on(self._retrying)
 
     def close(self) -> None:
         self._channel.close()
-        self._retrying.close()
 
     def __enter__(self) -> Client:
         return self
@@ -86,14 +86,18 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _stubs_for(self, request: Any) -> Stubs:
-        return self._idempotent if retries.seeded(request) else self._stubs
-
-    def _unary(self, method: Any, application: str, request: Any) -> Any:
-        try:
-            return method(request, metadata=metadata(application, self._api_key), timeout=self.timeout)
-        except grpc.RpcError as error:
-            raise from_rpc_error(error) from None
+    def _unary(self, method: Any, application: str, request: Any, *, idempotent: bool = False) -> Any:
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        attempt = 0
+        while True:
+            try:
+                return method(request, metadata=metadata(application, self._api_key), timeout=remaining(deadline))
+            except grpc.RpcError as error:
+                wait = self.retry.delay(error, attempt, deadline) if idempotent and self.retry else None
+                if wait is None:
+                    raise from_rpc_error(error) from None
+            time.sleep(wait)
+            attempt += 1
 
     def _stream(self, method: Any, application: str, request: Any) -> Iterator[Any]:
         call = method(request, metadata=metadata(application, self._api_key), timeout=self.timeout)
@@ -112,30 +116,31 @@ class Client:
         return self._stream(self._stubs.text.GenerateStream, "text", requests.text_request(prompt, **options))
 
     def tokenize(self, text: str = "", *, messages: Sequence[dict[str, str]] = ()) -> text_pb2.TokenizeResponse:
-        return self._unary(self._idempotent.text.Tokenize, "text", requests.tokenize_request(text, messages=messages))
+        request = requests.tokenize_request(text, messages=messages)
+        return self._unary(self._stubs.text.Tokenize, "text", request, idempotent=True)
 
     def model_info(self) -> text_pb2.ModelInfo:
-        return self._unary(self._idempotent.text.GetModelInfo, "text", text_pb2.ModelInfoRequest())
+        return self._unary(self._stubs.text.GetModelInfo, "text", text_pb2.ModelInfoRequest(), idempotent=True)
 
     # gan
     def gan_sample(self, num_images: int | None = None, **options: Any) -> common_pb2.ImagesResponse:
         request = requests.gan_sample_request(num_images, **options)
-        return self._unary(self._stubs_for(request).gan.Sample, "gan", request)
+        return self._unary(self._stubs.gan.Sample, "gan", request, idempotent=seeded(request))
 
     def gan_interpolate(self, seed_start: int, seed_end: int, **options: Any) -> common_pb2.ImagesResponse:
         request = requests.gan_interpolate_request(seed_start, seed_end, **options)
-        return self._unary(self._idempotent.gan.Interpolate, "gan", request)
+        return self._unary(self._stubs.gan.Interpolate, "gan", request, idempotent=True)
 
     # vae
     def vae_encode(self, pngs: Iterable[bytes], **options: Any) -> vae_pb2.EncodeResponse:
         request = requests.encode_request(pngs, **options)
-        return self._unary(self._stubs_for(request).vae.Encode, "vae", request)
+        return self._unary(self._stubs.vae.Encode, "vae", request, idempotent=seeded(request))
 
     def vae_decode(self, shape: Sequence[int], values: Iterable[float]) -> common_pb2.ImagesResponse:
-        return self._unary(self._idempotent.vae.Decode, "vae", requests.decode_request(shape, values))
+        return self._unary(self._stubs.vae.Decode, "vae", requests.decode_request(shape, values), idempotent=True)
 
     def vae_reconstruct(self, pngs: Iterable[bytes]) -> common_pb2.ImagesResponse:
-        return self._unary(self._idempotent.vae.Reconstruct, "vae", requests.reconstruct_request(pngs))
+        return self._unary(self._stubs.vae.Reconstruct, "vae", requests.reconstruct_request(pngs), idempotent=True)
 
     # diffusion
     def diffuse(self, prompt: str, **options: Any) -> common_pb2.ImagesResponse:
@@ -149,7 +154,7 @@ class Client:
     def health(self, service: str = "", *, application: str = "health") -> int:
         """grpc.health.v1 status (SERVING = 1, NOT_SERVING = 2) of `service` as `application` answers it."""
         request = health_pb2.HealthCheckRequest(service=service)
-        return self._unary(self._idempotent.health.Check, application, request).status
+        return self._unary(self._stubs.health.Check, application, request, idempotent=True).status
 
     def status(self) -> common_pb2.StatusResponse:
-        return self._unary(self._idempotent.status.GetStatus, "health", common_pb2.StatusRequest())
+        return self._unary(self._stubs.status.GetStatus, "health", common_pb2.StatusRequest(), idempotent=True)

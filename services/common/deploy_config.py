@@ -91,6 +91,7 @@ GPU_APPS = (
     AppSpec("http", "OpenAIApi", 1, 0, 1, 4, 64, 1024, 1024, route_prefix="/", loads_model=False),
 )
 HEALTH_NUM_CPUS = 0.01
+HEALTH_MAX_ONGOING = 64
 
 
 def _autoscaling(spec: AppSpec) -> dict[str, Any]:
@@ -141,6 +142,8 @@ def _health_app(host: str, port: int) -> dict[str, Any]:
             {
                 "name": "HealthGateway",
                 "num_replicas": 1,
+                # Watch streams stay open; past Serve's default of 5 they would queue the probes' Checks.
+                "max_ongoing_requests": HEALTH_MAX_ONGOING,
                 **_graceful_shutdown(),
                 "ray_actor_options": {"num_cpus": HEALTH_NUM_CPUS, "resources": {HEAD_NODE_RESOURCE: 0.001}},
             }

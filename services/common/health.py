@@ -8,8 +8,11 @@ Two places answer it:
   RUNNING in Ray Serve, and "" is SERVING while all four are.
 Unknown service names answer NOT_FOUND, as the health protocol asks. While the stack drains
 (services/common/drain.py) every answer is NOT_SERVING.
-Watch sends the status at once, then each change (looked at every WATCH_POLL_S); an unknown name gets
-SERVICE_UNKNOWN and the stream stays open, as the protocol asks. It ends when the stack stops, after its drain.
+Watch is served by the health gateway only (the health port, and `application: health` on 9000): a model app's
+replica counts each open stream against its max_ongoing_requests (2 for diffusion), so a watcher there would hold
+capacity meant for work. Watch sends the status at once, then each change (looked at every WATCH_POLL_S); an
+unknown name gets SERVICE_UNKNOWN and the stream stays open, as the protocol asks. It ends when the stack stops,
+after its drain.
 """
 
 from __future__ import annotations
@@ -56,11 +59,6 @@ def check(request: health_pb2.HealthCheckRequest, service: str, serving: bool) -
     return health_pb2.HealthCheckResponse(status=SERVING if serving and not draining else NOT_SERVING)
 
 
-async def always_serving() -> bool:
-    """`serving` for an app whose model, once loaded, can always take calls."""
-    return True
-
-
 def watched(status: Callable[[], int], state: drain.DrainState) -> int:
     """What Watch reports: `status()` (which raises NotFound for an unknown name), NOT_SERVING while draining."""
     try:
@@ -72,7 +70,7 @@ def watched(status: Callable[[], int], state: drain.DrainState) -> int:
 
 async def watch_status(status: Callable[[], Awaitable[Callable[[], int]]]
                        ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
-    """Watch on a deployment: `await status()` gives the status to report now (see `watched`)."""
+    """Watch on the health gateway's deployment: `await status()` gives the status to report now (see `watched`)."""
     last = None
     while True:
         state = drain.watch().current()
@@ -83,17 +81,6 @@ async def watch_status(status: Callable[[], Awaitable[Callable[[], int]]]
         if state.stopping:
             return
         await asyncio.sleep(WATCH_POLL_S)
-
-
-def watch(request: health_pb2.HealthCheckRequest, service: str,
-          serving: Callable[[], Awaitable[bool]]) -> AsyncIterator[health_pb2.HealthCheckResponse]:
-    """Watch for one app's deployment; `serving` as its Check has it."""
-
-    async def status() -> Callable[[], int]:
-        up = await serving()
-        return lambda: check(request, service, up).status
-
-    return watch_status(status)
 
 
 def status_of(service: str, app_running: dict[str, bool]) -> int:

@@ -173,16 +173,8 @@ class Diffusion:
     @unary(health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse)
     async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
         """NOT_SERVING while the `vae` application (which decodes our latents) is not RUNNING."""
-        return health.check(request, SERVICE, serving=await self._serving())
-
-    @streaming(health_pb2.HealthCheckRequest)
-    async def Watch(self, request: health_pb2.HealthCheckRequest) -> AsyncIterator[health_pb2.HealthCheckResponse]:
-        async for reply in health.watch(request, SERVICE, self._serving):
-            yield reply
-
-    async def _serving(self) -> bool:
         running = await asyncio.to_thread(self._status.running)
-        return running.get("vae", False)
+        return health.check(request, SERVICE, serving=running.get("vae", False))
 
 
 def build(args: dict[str, Any] | None = None) -> Application:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
@@ -19,7 +18,7 @@ from services.common.device import serving_device
 from services.common.gate import Gate
 from services.common.images import images_response
 from services.common.metrics import ServiceMetrics
-from services.common.rpc import streaming, unary, unknown_rpcs
+from services.common.rpc import unary, unknown_rpcs
 from services.common.validation import Request, parse, resolve_seed
 from services.gan.model import load_generator
 from services.gan.sampling import generate, sample_latents, slerp
@@ -82,11 +81,6 @@ class ImageGan:
     @unary(health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse)
     async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
         return health.check(request, SERVICE, serving=True)
-
-    @streaming(health_pb2.HealthCheckRequest)
-    async def Watch(self, request: health_pb2.HealthCheckRequest) -> AsyncIterator[health_pb2.HealthCheckResponse]:
-        async for reply in health.watch(request, SERVICE, health.always_serving):
-            yield reply
 
 
 def build(args: dict[str, Any] | None = None) -> Application:

@@ -265,18 +265,10 @@ class TextGeneration:
             raise RuntimeError(f"text engine stalled: no step finished for {self.engine.progress.stall_s:.0f} s "
                                "while requests wait")
 
-    async def _serving(self) -> bool:
-        return self.engine.error is None and not self.engine.stalled
-
     @unary(health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse)
     async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
         """NOT_SERVING once the engine's step loop has failed or stalled (requests would fail or wait forever)."""
-        return health.check(request, SERVICE, serving=await self._serving())
-
-    @streaming(health_pb2.HealthCheckRequest)
-    async def Watch(self, request: health_pb2.HealthCheckRequest) -> AsyncIterator[health_pb2.HealthCheckResponse]:
-        async for reply in health.watch(request, SERVICE, self._serving):
-            yield reply
+        return health.check(request, SERVICE, serving=self.engine.error is None and not self.engine.stalled)
 
 
 def build(args: dict[str, Any] | None = None) -> Application:

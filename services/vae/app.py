@@ -8,7 +8,6 @@ pipeline's ``vae/``: any size whose sides are multiples of 8, up to MAX_PIXELS).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from services.common.errors import InvalidArgument
 from services.common.gate import Gate
 from services.common.images import MAX_PIXELS, from_png, images_response, tensor_from_message, tensor_message
 from services.common.metrics import ServiceMetrics
-from services.common.rpc import streaming, unary, unknown_rpcs
+from services.common.rpc import unary, unknown_rpcs
 from services.common.validation import Request, parse, resolve_seed
 from services.vae.autoencoder_kl import is_autoencoder_kl, load_autoencoder_kl
 from services.vae.model import VAE, load_vae
@@ -144,11 +143,6 @@ class Vae:
     @unary(health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse)
     async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
         return health.check(request, SERVICE, serving=True)
-
-    @streaming(health_pb2.HealthCheckRequest)
-    async def Watch(self, request: health_pb2.HealthCheckRequest) -> AsyncIterator[health_pb2.HealthCheckResponse]:
-        async for reply in health.watch(request, SERVICE, health.always_serving):
-            yield reply
 
 
 def build(args: dict[str, Any] | None = None) -> Application:

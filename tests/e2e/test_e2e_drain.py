@@ -1,5 +1,7 @@
 """Graceful drain and SDK retries, on a stack of this module's own (port block base+20): the retry test kills one of
-its replicas, and the drain test ends it with SIGTERM, so neither can run on the shared session stack.
+its replicas, and the drain test ends it with SIGTERM, so neither can run on the shared session stack. Calls cut
+short at the drain's deadline (CANCELLED) are tested in tests/services/common/test_common_drain.py: on a stack, no
+call here outlasts a drain time that the 8 streams are sure to fit in on a busy machine.
 
 Processes are the stack's own: the serve process's descendants (other stacks may run Ray on the same machine)."""
 
@@ -18,12 +20,11 @@ from typing import Any
 import grpc
 import psutil
 import pytest
-from genserve.v1 import diffusion_pb2, diffusion_pb2_grpc, text_pb2, text_pb2_grpc
+from genserve.v1 import text_pb2, text_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.client import Client
 from services.client.errors import GenserveError
-from services.common.drain import CUT_MESSAGE
 
 pytestmark = pytest.mark.e2e
 
@@ -31,7 +32,7 @@ DRAIN_S = 40.0
 STREAMS = 8
 # The grammar holds the demo model to about 190 tokens, no early EOS: ~11 s for all 8 at once on 2 busy cores.
 SHORT = r"(the cat sat on the mat\. ){10}"
-TEXT, DIFFUSION = (("application", "text"),), (("application", "diffusion"),)
+TEXT, HEALTH = (("application", "text"),), (("application", "health"),)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 EXIT_TIMEOUT_S = 90.0
@@ -149,21 +150,17 @@ async def drain_scenario(stack: Any) -> dict:
                 grpc.aio.insecure_channel(stack.health_address, options=options) as health_channel):
         text = text_pb2_grpc.TextGenerationStub(channel)
         port_watch = health_pb2_grpc.HealthStub(health_channel).Watch(health_pb2.HealthCheckRequest(), timeout=300)
-        app_watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), metadata=TEXT,
+        app_watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), metadata=HEALTH,
                                                               timeout=300)
         seen["watch_before"] = [(await port_watch.read()).status, (await app_watch.read()).status]
 
-        started = [asyncio.Event() for _ in range(STREAMS + 1)]
+        started = [asyncio.Event() for _ in range(STREAMS)]
         streams = [
             asyncio.ensure_future(first_then(text.GenerateStream(
                 text_pb2.TextRequest(prompt="Once upon a time", max_tokens=900, seed=i, regex=SHORT),
                 metadata=TEXT, timeout=300), started[i]))
             for i in range(STREAMS)
         ]
-        # Far longer than the drain time: it must be cut short.
-        endless = diffusion_pb2.DiffusionRequest(prompt="a large red circle", steps=200, num_images=8, seed=1)
-        streams.append(asyncio.ensure_future(first_then(diffusion_pb2_grpc.DiffusionStub(channel).GenerateStream(
-            endless, metadata=DIFFUSION, timeout=300), started[STREAMS])))
         await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 120)
         seen["unfinished_at_sigterm"] = sum(not s.done() for s in streams)
 
@@ -189,7 +186,7 @@ async def drain_scenario(stack: Any) -> dict:
 
 def test_sigterm_drains_calls_in_flight_refuses_new_ones_and_leaves_no_ray_process(own: Any) -> None:
     seen = asyncio.run(drain_scenario(own))
-    assert seen["unfinished_at_sigterm"] == STREAMS + 1
+    assert seen["unfinished_at_sigterm"] == STREAMS
     assert seen["watch_before"] == [SERVING, SERVING]
     assert seen["watch_after"] == [NOT_SERVING, NOT_SERVING]
     refused = seen["refused"]
@@ -199,15 +196,12 @@ def test_sigterm_drains_calls_in_flight_refuses_new_ones_and_leaves_no_ray_proce
     status, body = seen["http"]
     assert status == 503 and "draining" in body
 
-    *texts, endless = seen["streams"]
-    for code, messages, finish_reason, ended in texts:
+    for code, messages, finish_reason, ended in seen["streams"]:
         assert (code, finish_reason) == ("OK", "stop") and messages > 50
         assert ended - seen["sigterm"] < DRAIN_S
-    code, _, details, ended = endless
-    assert (code, details) == ("CANCELLED", CUT_MESSAGE)
-    assert ended - seen["sigterm"] >= DRAIN_S - 1
-
     assert seen["exit_code"] == 0
+    # The drain ended with the last call, not at the deadline (the shutdown after it takes seconds).
+    assert seen["exit_s"] < max(ended for *_, ended in seen["streams"]) - seen["sigterm"] + 30
     deadline = time.monotonic() + 15
     while any(p.is_running() for p in seen["before"]) and time.monotonic() < deadline:
         time.sleep(0.5)

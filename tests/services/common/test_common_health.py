@@ -106,20 +106,20 @@ def test_while_draining_check_says_not_serving(board: DrainBoard) -> None:
     assert check(ask(service=""), "genserve.v1.Vae", serving=True).status == NOT_SERVING
 
 
-def test_app_watch_sends_changes_then_ends_when_the_stack_stops(board: DrainBoard) -> None:
-    up = [True]
+def test_gateway_watch_sends_changes_then_ends_when_the_stack_stops(board: DrainBoard) -> None:
+    running = dict(ALL_RUNNING)
 
-    async def serving() -> bool:
-        return up[0]
+    async def status():
+        return lambda: status_of("genserve.v1.Diffusion", dict(running))
 
     async def scenario() -> list[int]:
         seen: list[int] = []
-        async for reply in health.watch(health_pb2.HealthCheckRequest(service=""), "genserve.v1.Vae", serving):
+        async for reply in health.watch_status(status):
             seen.append(reply.status)
             if len(seen) == 1:
-                up[0] = False  # e.g. the engine stalled
+                running["diffusion"] = False  # e.g. a replica being replaced
             elif len(seen) == 2:
-                up[0] = True
+                running["diffusion"] = True
             elif len(seen) == 3:
                 board.start(30)
             else:
@@ -129,10 +129,12 @@ def test_app_watch_sends_changes_then_ends_when_the_stack_stops(board: DrainBoar
     assert asyncio.run(asyncio.wait_for(scenario(), 10)) == [SERVING, NOT_SERVING, SERVING, NOT_SERVING]
 
 
-def test_app_watch_of_an_unknown_name_says_service_unknown(board: DrainBoard) -> None:
+def test_gateway_watch_of_an_unknown_name_says_service_unknown(board: DrainBoard) -> None:
+    async def status():
+        return lambda: status_of("genserve.v1.Nope", ALL_RUNNING)
+
     async def first() -> int:
-        replies = health.watch(health_pb2.HealthCheckRequest(service="nope"), "genserve.v1.Vae", health.always_serving)
-        return (await anext(replies)).status
+        return (await anext(health.watch_status(status))).status
 
     assert asyncio.run(first()) == SERVICE_UNKNOWN
 

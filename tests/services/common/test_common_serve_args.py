@@ -123,3 +123,14 @@ def test_keys_are_checked_before_anything_starts(monkeypatch, tmp_path: Path, ca
     out = capsys.readouterr().out
     assert "API keys required (1 configured)" in out and "a-real-key" not in out
     assert serve.os.environ["GENSERVE_API_KEYS_FILE"] == str(tmp_path / "keys")
+
+
+def test_the_drain_time_is_the_flag_else_the_env_var_and_reaches_every_deployment(monkeypatch) -> None:
+    monkeypatch.delenv("GENSERVE_DRAIN_SECONDS", raising=False)
+    assert parse().drain_seconds == 30.0
+    monkeypatch.setenv("GENSERVE_DRAIN_SECONDS", "12")
+    assert parse().drain_seconds == 12.0
+    config = serve.load_config(parse("--drain-seconds", "45"))
+    deployments = [d for app in config["applications"] for d in app["deployments"]]
+    assert {d["graceful_shutdown_timeout_s"] for d in deployments} == {45.0}
+    assert {d["graceful_shutdown_wait_loop_s"] for d in deployments} == {1.0}

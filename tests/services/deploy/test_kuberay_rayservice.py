@@ -71,3 +71,12 @@ def test_kuberay_image_is_the_compose_image(rayservice: dict, compose: dict) -> 
     images = {c["image"] for g in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
               for c in g["template"]["spec"]["containers"]}
     assert images == {default_image}
+
+
+def test_every_pod_outlives_its_replicas_drain(rayservice: dict, gpu_serve_config: dict) -> None:
+    """A stopping pod gives its replicas their graceful_shutdown_timeout_s, and a margin, before it is killed."""
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    deployments = [d for app in gpu_serve_config["applications"] for d in app["deployments"]]
+    drain = max(d["graceful_shutdown_timeout_s"] for d in deployments)
+    assert all(pod["template"]["spec"]["terminationGracePeriodSeconds"] >= drain + 15 for pod in pods)

@@ -7,9 +7,11 @@ import threading
 import time
 
 import pytest
+from pydantic import ValidationError
 
 from services.text.engine import AsyncLLMEngine, SamplingParams
-from services.text.engine.progress import StallDetector
+from services.text.engine.progress import DEFAULT_STALL_S, StallDetector
+from services.text.settings import TextArgs
 
 
 class Clock:
@@ -94,3 +96,10 @@ def test_a_step_that_hangs_makes_the_engine_stalled_until_it_returns() -> None:
     finally:
         engine.release.set()
         served.shutdown()
+
+
+def test_stall_seconds_is_a_serve_config_setting() -> None:
+    assert TextArgs().stall_seconds == DEFAULT_STALL_S == 120.0
+    assert TextArgs.model_validate({"stall_seconds": 30}).stall_seconds == 30.0
+    with pytest.raises(ValidationError, match="stall_seconds"):
+        TextArgs.model_validate({"stall_seconds": 0})
