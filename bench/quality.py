@@ -93,13 +93,14 @@ def diffusion_rows(n: int) -> list[Row]:
 
 
 # (guidance mode, negative weight) pairs the negative-prompt table compares; None: the model's default weight.
-NEGATIVE_MODES: tuple[tuple[str, float | None], ...] = (("cfg", None), ("perp_neg", 1.0), ("perp_neg", 0.5))
+NEGATIVE_MODES: tuple[tuple[str, float | None], ...] = (("perp_neg", 0.5), ("cfg", None), ("perp_neg", 1.0))
 NEGATIVE_GOALS = {"colour": 0.95, "shape": 0.85, "position": 0.90}
 
 
 def negative_tables(n: int) -> str:
-    """The negative-prompt adherence table and the steering table, per mode in ``NEGATIVE_MODES``."""
-    from services.diffusion.negatives import adherence, steering
+    """The negative-prompt adherence table and the steering table, per mode in ``NEGATIVE_MODES``. Without a
+    negative every mode runs the same two passes, so that row and the steering baseline are computed once."""
+    from services.diffusion.negatives import adherence, open_colour_reads, steering
     from services.diffusion.pipeline import DiffusionPipeline
     from services.vae.model import load_vae
 
@@ -108,24 +109,29 @@ def negative_tables(n: int) -> str:
     adherence_lines = [f"| guidance | negatives ({n} held-out prompts, 20 steps, guidance 3) | colour | shape | "
                        "position | size | all | goals met (colour ≥ 0.95, shape ≥ 0.85, position ≥ 0.90) |",
                        "|---|---|---|---|---|---|---|---|"]
-    steering_lines = [f"| guidance | named colour ({n} colour-open prompts) | appears without the negative | "
-                      "with it | at most half as often |", "|---|---|---|---|---|"]
+    steering_lines = [f"| guidance | drawn colour appears, no negative ({n} colour-open prompts) | with a negative "
+                      "naming it | at most half as often | shape, size, position kept |", "|---|---|---|---|---|"]
+
+    def add_adherence(name: str, negatives: str, scores: dict[str, float]) -> None:
+        met = all(scores[attr] >= goal for attr, goal in NEGATIVE_GOALS.items())
+        cells = " | ".join(f"{scores[a]:.3f}" for a in ("colour", "shape", "position", "size", "all"))
+        adherence_lines.append(f"| {name} | {negatives} | {cells} | {'yes' if met else 'no'} |")
+        print(adherence_lines[-1], file=sys.stderr, flush=True)
+
+    add_adherence("every mode", "none", adherence(pipe, vae, "none", n_prompts=n))
+    before = open_colour_reads(pipe, vae, n_prompts=n)
     for mode, weight in NEGATIVE_MODES:
         w_n = default[1] if weight is None else weight
         name = mode if mode == "cfg" else f"{mode}, w_n = {w_n:g}"
         name += " (default)" if (mode, w_n) == default else ""
         options = {"guidance": mode, "negative_weight": w_n}
-        for negatives in ("none", "contrasting", "generic"):
-            scores = adherence(pipe, vae, negatives, n_prompts=n, **options)
-            met = all(scores[attr] >= goal for attr, goal in NEGATIVE_GOALS.items())
-            cells = " | ".join(f"{scores[a]:.3f}" for a in ("colour", "shape", "position", "size", "all"))
-            adherence_lines.append(f"| {name} | {negatives} | {cells} | {'yes' if met else 'no'} |")
-        figures = steering(pipe, vae, n_prompts=n, **options)
-        for choice in ("drawn", "random"):
-            without, with_ = figures[f"{choice}_without"], figures[f"{choice}_with"]
-            met = "yes" if with_ <= without / 2 else "no"
-            steering_lines.append(f"| {name} | {choice} | {without:.3f} | {with_:.3f} | {met} |")
-        print(f"[negatives: {name} done]", file=sys.stderr)
+        for negatives in ("contrasting", "generic"):
+            add_adherence(name, negatives, adherence(pipe, vae, negatives, n_prompts=n, **options))
+        figures = steering(pipe, vae, before, **options)
+        met = "yes" if figures["with"] <= figures["without"] / 2 else "no"
+        steering_lines.append(f"| {name} | {figures['without']:.3f} | {figures['with']:.3f} | {met} | "
+                              f"{figures['kept']:.3f} |")
+        print(steering_lines[-1], file=sys.stderr, flush=True)
     return "\n".join(adherence_lines) + "\n\n" + "\n".join(steering_lines)
 
 

@@ -7,8 +7,8 @@ Two questions, on the held-out prompts and seeds of ``services.diffusion.evaluat
   with the generic negative "a blurry image". The score per attribute is as in ``evaluate``.
 - steering: for prompts that leave the colour open ("a large circle at the top left"), how often the colour a
   negative names ("a red circle") appears with that negative and without any. The named colour is the one the
-  same seed draws without the negative, so "without" is 1 by construction and "with" says how often the negative
-  moved the colour away from it.
+  same seed draws without the negative, so "without" is the fraction of readable colours (1 but for unreadable
+  ones) and "with" says how often the negative failed to move the colour away from it.
 """
 
 from __future__ import annotations
@@ -70,32 +70,31 @@ def adherence(pipe: DiffusionPipeline, vae: VAE, negatives: str, *, n_prompts: i
     return accuracy(read_batch(images), attrs)
 
 
-def _colour_rate(read: list[dict[str, str | None]], colours: list[str]) -> float:
-    return float(np.mean([r["colour"] == c for r, c in zip(read, colours, strict=True)]))
+Reads = list[dict[str, str | None]]
 
 
-def steering(pipe: DiffusionPipeline, vae: VAE, *, n_prompts: int = 200, guidance: str | None = None,
+def open_colour_reads(pipe: DiffusionPipeline, vae: VAE, *, n_prompts: int = 200, steps: int = 20,
+                      guidance_scale: float = 3.0, seed: int = 0, scheduler: str = "ddim") -> Reads:
+    """What the reader sees on the colour-open prompts without a negative (the same in every guidance mode)."""
+    _, attrs = heldout_prompts(n_prompts, seed)
+    return read_batch(generate_images(pipe, vae, [open_colour_prompt(a) for a in attrs], steps=steps,
+                                      guidance_scale=guidance_scale, seed=seed, scheduler=scheduler))
+
+
+def steering(pipe: DiffusionPipeline, vae: VAE, before: Reads, *, guidance: str | None = None,
              steps: int = 20, guidance_scale: float = 3.0, seed: int = 0, scheduler: str = "ddim",
              negative_weight: float | None = None) -> dict[str, float]:
-    """On colour-open prompts, how often a colour named in a negative ("a red circle") appears without ("…_without")
-    and with ("…_with") that negative, for two choices of the named colour: the one the same seed draws without a
-    negative ("drawn_…"; unreadable colours count as misses), and a seeded random palette colour ("random_…").
-    "kept" is how often shape, size and position all stayed right under the drawn-colour negatives."""
-    _, attrs = heldout_prompts(n_prompts, seed)
-    prompts = [open_colour_prompt(a) for a in attrs]
-    settings = {"steps": steps, "guidance_scale": guidance_scale, "seed": seed, "scheduler": scheduler,
-                "guidance": guidance, "negative_weight": negative_weight}
-    before = read_batch(generate_images(pipe, vae, prompts, **settings))
-    rng = np.random.default_rng(seed)
-    named = {"drawn": [r["colour"] or "" for r in before],
-             "random": [tuple(COLOURS)[rng.integers(len(COLOURS))] for _ in attrs]}
-    result = {}
-    for choice, colours in named.items():
-        negatives = [f"a {c} {a['shape']}" if c else GENERIC_NEGATIVE for c, a in zip(colours, attrs, strict=True)]
-        after = read_batch(generate_images(pipe, vae, prompts, negative_prompts=negatives, **settings))
-        result[f"{choice}_without"] = _colour_rate(before, colours)
-        result[f"{choice}_with"] = _colour_rate(after, colours)
-        if choice == "drawn":
-            result["kept"] = float(np.mean([all(r[k] == a[k] for k in ("shape", "size", "position"))
-                                            for r, a in zip(after, attrs, strict=True)]))
-    return result
+    """On the colour-open prompts, with a negative naming the colour ``before`` (``open_colour_reads``) shows
+    ("a red circle"): how often that colour appears without ("without"; unreadable colours count as misses) and
+    with the negative ("with"), and how often shape, size and position all stayed right with it ("kept")."""
+    _, attrs = heldout_prompts(len(before), seed)
+    named = [r["colour"] for r in before]
+    negatives = [f"a {c} {a['shape']}" if c else GENERIC_NEGATIVE for c, a in zip(named, attrs, strict=True)]
+    after = read_batch(generate_images(pipe, vae, [open_colour_prompt(a) for a in attrs], steps=steps,
+                                       guidance_scale=guidance_scale, seed=seed, scheduler=scheduler,
+                                       negative_prompts=negatives, guidance=guidance,
+                                       negative_weight=negative_weight))
+    return {"without": float(np.mean([c is not None for c in named])),
+            "with": float(np.mean([r["colour"] == c and c is not None for r, c in zip(after, named, strict=True)])),
+            "kept": float(np.mean([all(r[k] == a[k] for k in ("shape", "size", "position"))
+                                   for r, a in zip(after, attrs, strict=True)]))}
