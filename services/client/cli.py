@@ -151,7 +151,7 @@ def cmd_diffuse(client: Client, args: argparse.Namespace) -> int:
     events = client.diffuse_stream(
         args.prompt, negative_prompt=args.negative, num_images=args.num_images, steps=args.steps,
         guidance_scale=args.guidance, seed=args.seed, scheduler=args.scheduler, eta=args.eta, width=args.width,
-        height=args.height,
+        height=args.height, guidance=args.guidance_mode, negative_weight=args.negative_weight,
     )
     with tqdm(total=args.steps, unit="step", desc="denoising", file=sys.stderr) as bar:
         for event in events:
@@ -245,7 +245,10 @@ def _client_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("prompt")
     p.add_argument("--negative", default="", help="negative prompt")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--guidance", type=float, default=3.0)
+    p.add_argument("--guidance", type=float, default=3.0, help="guidance scale")
+    p.add_argument("--guidance-mode", default="", choices=("", "cfg", "perp_neg"),
+                   help="how the negative prompt steers (default: the model's; docs/protocol.md)")
+    p.add_argument("--negative-weight", type=float, help="perp_neg's negative weight (default 1)")
     p.add_argument("--seed", type=int)
     p.add_argument("--scheduler", default="", choices=("", "ddpm", "ddim", "dpmpp_2m", "euler"),
                    help="sampler (default: the model's)")

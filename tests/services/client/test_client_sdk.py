@@ -19,6 +19,9 @@ def test_requests_leave_unset_options_unset() -> None:
     assert not gan_sample_request().HasField("num_images")
     request = diffusion_request("a cat", steps=3)
     assert request.steps == 3 and not request.HasField("guidance_scale") and not request.HasField("seed")
+    assert request.guidance == "" and not request.HasField("negative_weight")
+    request = diffusion_request("a cat", guidance="perp_neg", negative_weight=0.0)
+    assert request.guidance == "perp_neg" and request.HasField("negative_weight") and request.negative_weight == 0.0
 
 
 def test_sync_client_sends_the_application_metadata(fake_server) -> None:
