@@ -6,6 +6,11 @@ chats over each protocol (tokens/s in total).
     .venv/bin/python bench/serving.py                  # starts its own stack on ports 9300-9301 (HTTP 8300)
     .venv/bin/python bench/serving.py --address 127.0.0.1:9000 --health-address 127.0.0.1:9001 \
         --http-url http://127.0.0.1:8000/v1            # a running one
+    .venv/bin/python bench/serving.py --batching [--port 9820 | --address ...]   # the image apps' batching only
+
+`--batching` prints, side by side, N concurrent one-image requests against one N-image request (GAN Sample and VAE
+Reconstruct, N = 32): with dynamic batching (services/common/batcher.py) the ratio approaches 1. A middle row sends
+N requests the gan app rejects before any model call: the cost of N requests through the proxy alone.
 
 Calls in the latency tables are sequential (one in flight) so the figures are latencies, not throughput. When the
 bench starts the stack itself, a last row times the same generation on the engine in-process: the model's share.
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -37,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 from genserve.v1 import text_pb2, text_pb2_grpc  # noqa: E402
 
 from services.client import AsyncClient, Client  # noqa: E402
+from services.client.errors import InvalidArgument  # noqa: E402
 from services.serve import READY_LINE  # noqa: E402
 
 INFO = text_pb2.ModelInfo(model_name="plain", architecture="none", vocab_size=1, max_context=1)
@@ -266,6 +273,46 @@ def concurrency_table(rows: list[tuple[str, float, float]], streams: int, tokens
     return "\n".join(lines)
 
 
+async def image_calls(address: str, n: int, one: Callable, many: Callable) -> tuple[float, float]:
+    """Seconds for n concurrent one-image calls, and for one n-image call, through the stack."""
+    async with AsyncClient(address, timeout=300) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(one(client, i) for i in range(n)))
+        concurrent = time.perf_counter() - start
+        start = time.perf_counter()
+        await many(client)
+        return concurrent, time.perf_counter() - start
+
+
+def batching_rows(address: str, n: int, rounds: int) -> list[tuple[str, int, float, float]]:
+    """(case, N, best seconds of N concurrent one-image requests, best seconds of one N-image request)."""
+    with Client(address, timeout=120) as client:
+        pngs = [image.png for image in client.gan_sample(n, seed=1).images]
+    async def rejected(client: AsyncClient, i: int) -> None:
+        with contextlib.suppress(InvalidArgument):
+            await client.gan_sample(1, seed=i, truncation=0.01)  # INVALID_ARGUMENT before any model call
+
+    cases = {
+        "gan Sample": (lambda c, i: c.gan_sample(1, seed=i), lambda c: c.gan_sample(n, seed=0)),
+        "gan, rejected requests (serving floor)": (rejected, lambda c: c.gan_sample(n, seed=0)),
+        "vae Reconstruct": (lambda c, i: c.vae_reconstruct([pngs[i]]), lambda c: c.vae_reconstruct(pngs)),
+    }
+    rows = []
+    for name, (one, many) in cases.items():
+        asyncio.run(image_calls(address, n, one, many))  # warm-up
+        runs = [asyncio.run(image_calls(address, n, one, many)) for _ in range(rounds)]
+        rows.append((name, n, min(r[0] for r in runs), min(r[1] for r in runs)))
+    return rows
+
+
+def batching_table(rows: list[tuple[str, int, float, float]]) -> str:
+    lines = ["| case | N | N concurrent 1-image requests, ms | one N-image request, ms | ratio |",
+             "|---|---:|---:|---:|---:|"]
+    lines += [f"| {name} | {n} | {many * 1e3:.0f} | {one * 1e3:.0f} | {many / one:.2f}x |"
+              for name, n, many, one in rows]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--address", help="a running stack's gRPC address (default: start one on 9300)")
@@ -278,14 +325,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=16, help="concurrent streamed chats per protocol")
     parser.add_argument("--stream-tokens", type=int, default=64, help="max_tokens of each concurrent chat")
     parser.add_argument("--rounds", type=int, default=3, help="concurrent rounds per protocol (the best is shown)")
+    parser.add_argument("--batching", action="store_true", help="only the image apps' batching table")
+    parser.add_argument("--images", type=int, default=32, help="N of the batching table")
+    parser.add_argument("--port", type=int, default=9300, help="gRPC port of the stack the bench starts")
     args = parser.parse_args(argv)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if args.batching:
+        if args.address is not None:
+            print(batching_table(batching_rows(args.address, args.images, args.rounds)))
+            return 0
+        with serve_stack(args.port):
+            print(batching_table(batching_rows(f"127.0.0.1:{args.port}", args.images, args.rounds)))
+        return 0
     args.address_is_ours = args.address is None
     if args.address is None:
-        args.address = "127.0.0.1:9300"
-        args.http_url = args.http_url or "http://127.0.0.1:8300/v1"
-        args.health_address = args.health_address or "127.0.0.1:9301"
-        with serve_stack(9300):
+        args.address = f"127.0.0.1:{args.port}"
+        args.http_url = args.http_url or f"http://127.0.0.1:{args.port - 1000}/v1"
+        args.health_address = args.health_address or f"127.0.0.1:{args.port + 1}"
+        with serve_stack(args.port):
             rows, chats, concurrent = measure(args), chat_rows(args), concurrent_rows(args)
     else:
         host, port = args.address.rsplit(":", 1)

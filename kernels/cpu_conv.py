@@ -1,4 +1,5 @@
-"""2-D convolution for small CPU inference batches, with the weight reordered once into oneDNN's blocked layout.
+"""2-D convolution for CPU inference on oneDNN, with the weight reordered once into its blocked layout; and the
+dispatch rule that keeps a batch's images independent of each other (batch invariance).
 
 ``F.conv2d`` hands oneDNN the plain (O, I, kH, kW) weight, which it reorders into its blocked layout on every call.
 On the outputs of a diffusion U-Net at latent size (2 x 8 x 8 and 2 x 4 x 4 pixels, 64-256 channels) that reorder
@@ -6,12 +7,15 @@ costs as much as a fifth to a third of the convolution, and 1x1 convolutions fal
 altogether. ``conv2d`` reorders once per weight version (``torch.ops.mkldnn._reorder_convolution_weight``, the op
 torch's own inductor uses for frozen CPU graphs) and runs the same oneDNN primitive on the prepared weight.
 
-Past about 512 output pixels per call the plain path is as fast or faster (measured on a 2-core EPYC, 1 and 2
-threads: 20-30% faster prepared at 32-128 pixels, even at 512, 10-20% slower at 1024-4096), so larger calls keep
-``F.conv2d``. So do single images: for a batch of one, ``F.conv2d`` takes torch's own im2col + GEMM path rather
-than oneDNN, and inside the VAE that path ran these sizes faster (49 against 84 µs per conv on average over the
-encoder's 13 small convolutions); and so do the tiniest convolutions (under MIN_FLOPS), where a oneDNN call's fixed
-~20 µs is several times the work.
+Batch invariance: ``F.conv2d`` picks its algorithm from the batch size (im2col + GEMM for one image, a non-oneDNN
+path for 1x1 kernels under 16 images on one thread, oneDNN otherwise), and the three round differently, so an
+image's pixels changed with the number of images it was computed with (up to 4e-6, enough to flip PNG bytes). The
+choice here depends on one image's geometry only: the prepared path when one image has at most MAX_PIXELS output
+pixels, ``torch.mkldnn_convolution`` (oneDNN, weight reordered per call) for larger images. Both run every image of
+the batch through the same oneDNN kernel, so a batched image is bit-identical to the same image alone
+(tests/kernels/test_cpu_conv.py; that is what lets the gan and vae apps merge requests, docs/metrics.md). On a
+2-core EPYC, one thread, min of 7: the demo GAN 6.1 ms for 1 image and 79 ms for 32 (the batch-size rule it
+replaces: 6.4 and 105 ms), the demo VAE's Reconstruct 21 / 326 ms (before: 20 / 562 ms).
 """
 
 from __future__ import annotations
@@ -20,8 +24,7 @@ import functools
 
 import torch
 
-MAX_PIXELS = 512  # B * H_out * W_out; see the module docstring
-MIN_FLOPS = 2**18  # 2 * B * H_out * W_out * C_out * C_in * kH * kW
+MAX_PIXELS = 512  # H_out * W_out of one image; see the module docstring
 
 
 @functools.cache
@@ -31,17 +34,27 @@ def _available() -> bool:
         hasattr(torch.ops.mkldnn, op) for op in ("_convolution_pointwise", "_reorder_convolution_weight"))
 
 
+def onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True for fp32 (B, C, H, W) CPU inputs when this torch build has oneDNN: the batch-invariant paths apply."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.dim() == 4
+            and _available())
+
+
 def supports(x: torch.Tensor, weight: torch.Tensor, stride: tuple[int, int], padding: tuple[int, int]) -> bool:
-    """True when ``conv2d`` applies: fp32 CPU tensors, a (B, C, H, W) input with B >= 2, at most MAX_PIXELS output
-    pixels and at least MIN_FLOPS, and a weight that tracks versions (one created under inference_mode does not,
-    so it is never cached)."""
-    if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 4
-            or x.shape[0] < 2 or weight.is_inference()):
+    """True when ``conv2d`` applies: ``onednn``, at most MAX_PIXELS output pixels per image (never a rule on the
+    batch size), and a weight that tracks versions (one created under inference_mode does not, so it is never
+    cached)."""
+    if not onednn(x, weight) or weight.is_inference():
         return False
     h = (x.shape[2] + 2 * padding[0] - weight.shape[2]) // stride[0] + 1
     w = (x.shape[3] + 2 * padding[1] - weight.shape[3]) // stride[1] + 1
-    pixels = x.shape[0] * h * w
-    return 0 < pixels <= MAX_PIXELS and 2 * pixels * weight.numel() >= MIN_FLOPS and _available()
+    return 0 < h * w <= MAX_PIXELS
+
+
+def unprepared(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: tuple[int, int],
+               padding: tuple[int, int]) -> torch.Tensor:
+    """F.conv2d(x, weight, bias, stride, padding) on oneDNN whatever the batch size (``onednn`` first)."""
+    return torch.mkldnn_convolution(x, weight, bias, list(padding), list(stride), [1, 1], 1)
 
 
 def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: tuple[int, int],

@@ -54,7 +54,8 @@ class AppSpec:
     target_ongoing_requests: float
     max_ongoing_requests: int
     max_queued_requests: int
-    settings: tuple[tuple[str, Any], ...] = ()  # the app's own `args` beside model_dir (services/text/settings.py)
+    # the app's own `args` beside model_dir (text: services/text/settings.py; gan, vae: batcher.py's BatchArgs)
+    settings: tuple[tuple[str, Any], ...] = ()
     route_prefix: str | None = None  # default /<name>; the HTTP API takes "/" (its paths start with /v1)
     loads_model: bool = True  # False: no model_dir arg (the HTTP API reaches the models through handles)
 
@@ -74,10 +75,14 @@ LOCAL_TEXT_SETTINGS = (("dtype", "auto"), ("max_batched_tokens", 512), ("max_run
                        ("prefix_caching", True))
 GPU_TEXT_SETTINGS = (("dtype", "bfloat16"), ("kv_cache_fraction", 0.35), ("max_batched_tokens", 8192),
                      ("max_running", 256), ("max_lookahead", 1), ("cuda_graphs", True), ("prefix_caching", True))
+# The GAN and VAE merge concurrent requests into one model call (services/common/batcher.py): a replica takes a
+# batch's worth of one-image requests at once, and autoscaling adds a replica only when about a full batch waits.
+LOCAL_BATCH_SETTINGS = (("max_batch_images", 32), ("batch_wait_s", 0.005))
+GPU_BATCH_SETTINGS = (("max_batch_images", 64), ("batch_wait_s", 0.002))
 LOCAL_APPS = (
     AppSpec("text", "TextGeneration", 0.4, 0, 1, 2, 4, 16, 32, LOCAL_TEXT_SETTINGS),
-    AppSpec("gan", "ImageGan", 0.1, 0, 1, 2, 2, 8, 32),
-    AppSpec("vae", "Vae", 0.1, 0, 1, 2, 2, 8, 32),
+    AppSpec("gan", "ImageGan", 0.1, 0, 1, 2, 32, 64, 128, LOCAL_BATCH_SETTINGS),
+    AppSpec("vae", "Vae", 0.1, 0, 1, 2, 32, 64, 128, LOCAL_BATCH_SETTINGS),
     AppSpec("diffusion", "Diffusion", 0.3, 0, 1, 2, 1, 2, 8),
     # The HTTP API only forwards: it holds every open stream (far more than the apps behind it take), so the
     # apps behind it shed load first and their refusals reach the client as 429s.
@@ -85,8 +90,8 @@ LOCAL_APPS = (
 )
 GPU_APPS = (
     AppSpec("text", "TextGeneration", 1, 0.4, 1, 4, 8, 256, 1024, GPU_TEXT_SETTINGS),
-    AppSpec("gan", "ImageGan", 1, 0.1, 1, 4, 4, 16, 128),
-    AppSpec("vae", "Vae", 1, 0.1, 1, 4, 4, 16, 128),
+    AppSpec("gan", "ImageGan", 1, 0.1, 1, 4, 64, 128, 512, GPU_BATCH_SETTINGS),
+    AppSpec("vae", "Vae", 1, 0.1, 1, 4, 64, 128, 512, GPU_BATCH_SETTINGS),
     AppSpec("diffusion", "Diffusion", 1, 0.3, 1, 4, 2, 4, 32),
     AppSpec("http", "OpenAIApi", 1, 0, 1, 4, 64, 1024, 1024, route_prefix="/", loads_model=False),
 )

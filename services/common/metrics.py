@@ -15,6 +15,8 @@ record their own model metrics through `ServiceMetrics`.
 - genserve_diffusion_steps (counter; service): denoising steps run (steps/s via rate())
 - genserve_diffusion_step_seconds (histogram; service): duration of one denoising step
 - genserve_images (counter; service, method): images produced (images/s via rate())
+- genserve_batch_size (histogram; service, method): images per model call of a batching app (gan, vae)
+- genserve_batch_wait_seconds (histogram; service, method): a request's time from arrival to the start of its batch
 - genserve_cpu_kernels_available (gauge; service): 1 when the C kernels are in use, 0 when the replica fell back to
   torch ops (the replica's log says why)
 """
@@ -28,6 +30,8 @@ from ray.serve import metrics
 
 LATENCY_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 STEP_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+BATCH_SIZE_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+WAIT_BOUNDARIES = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,8 @@ class _Registry:
     steps: metrics.Counter
     step_seconds: metrics.Histogram
     images: metrics.Counter
+    batch_size: metrics.Histogram
+    batch_wait: metrics.Histogram
     cpu_kernels: metrics.Gauge
 
 
@@ -88,6 +94,14 @@ def _registry() -> _Registry:
         ),
         images=metrics.Counter(
             "genserve_images", description="Images produced.", tag_keys=("service", "method")
+        ),
+        batch_size=metrics.Histogram(
+            "genserve_batch_size", description="Images per model call of a batching app.",
+            boundaries=BATCH_SIZE_BOUNDARIES, tag_keys=("service", "method"),
+        ),
+        batch_wait=metrics.Histogram(
+            "genserve_batch_wait_seconds", description="Time from a request's arrival to the start of its batch.",
+            boundaries=WAIT_BOUNDARIES, tag_keys=("service", "method"),
         ),
         cpu_kernels=metrics.Gauge(
             "genserve_cpu_kernels_available", description="1 when the C kernels are in use, 0 on the torch fallback.",
@@ -150,3 +164,10 @@ class ServiceMetrics:
     def images(self, method: str, n: int) -> None:
         if n:
             _registry().images.inc(n, tags={"service": self.service, "method": method})
+
+    def batch(self, method: str, images: int, waits: list[float]) -> None:
+        """One model call of `images` images, made for requests that each waited `waits[i]` seconds for it."""
+        reg, tags = _registry(), {"service": self.service, "method": method}
+        reg.batch_size.observe(images, tags=tags)
+        for seconds in waits:
+            reg.batch_wait.observe(seconds, tags=tags)

@@ -1,4 +1,9 @@
-"""The `gan` application: genserve.v1.ImageGan (Sample, Interpolate) on Ray Serve."""
+"""The `gan` application: genserve.v1.ImageGan (Sample, Interpolate) on Ray Serve.
+
+Both RPCs draw their latents from their own seeds, then share one batcher (services/common/batcher.py): concurrent
+requests become one generator call of up to `max_batch_images` images (serve config args), and each gets back
+exactly the images it would have got alone (the generator is batch-invariant, tests/services/gan).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,8 @@ from ray import serve
 from ray.serve.deployment import Application
 
 from services.common import health
-from services.common.builder import AppArgs, build_app
+from services.common.batcher import BatchArgs, Batcher
+from services.common.builder import build_app
 from services.common.device import serving_device
 from services.common.gate import Gate
 from services.common.images import images_response
@@ -47,18 +53,24 @@ class InterpolateIn(Request):
 class ImageGan:
     __getattr__ = unknown_rpcs
 
-    def __init__(self, model_dir: str | None, settings: AppArgs | None = None):
+    def __init__(self, model_dir: str | None, args: BatchArgs):
         self.metrics = ServiceMetrics("gan")
-        self.gate = Gate.from_env((settings or AppArgs()).rate_limits)
+        self.gate = Gate.from_env(args.rate_limits)
         self.generator = load_generator(model_dir, device=serving_device())
         self.z_dim = self.generator.config.z_dim
+        self.batcher = Batcher(self._generate_batch, len, args.max_batch_images, args.batch_wait_s,
+                               lambda images, waits: self.metrics.batch("generate", images, waits))
+
+    def _generate_batch(self, latents: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One generator call for the latents of many requests; each gets its own rows back."""
+        with torch.inference_mode():
+            images = generate(self.generator, torch.cat(latents))  # (sum N, 3, H, W) in [-1, 1]
+        return list(images.split([len(z) for z in latents]))
 
     async def _generate(self, z: torch.Tensor) -> torch.Tensor:
-        def run() -> torch.Tensor:
-            with torch.inference_mode():
-                return generate(self.generator, z)  # (N, 3, H, W) in [-1, 1]
-
-        return await asyncio.to_thread(run)
+        """Images for latents z (N, z_dim) through the batcher, in pieces of at most a batch."""
+        pieces = await asyncio.gather(*(self.batcher.submit(part) for part in z.split(self.batcher.max_size)))
+        return torch.cat(pieces)
 
     @unary(gan_pb2.GanSampleRequest, common_pb2.ImagesResponse)
     async def Sample(self, request: gan_pb2.GanSampleRequest) -> common_pb2.ImagesResponse:
@@ -84,4 +96,4 @@ class ImageGan:
 
 
 def build(args: dict[str, Any] | None = None) -> Application:
-    return build_app("gan", ImageGan, args)
+    return build_app("gan", ImageGan, args, BatchArgs)

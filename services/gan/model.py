@@ -39,6 +39,7 @@ from services.shapes.dataset import COLOURS, POSITIONS, SHAPES, SIZES
 from services.vae.model import VAE, VAEConfig
 from shared.blocks.activations import activation
 from shared.blocks.conv import Upsample, conv2d_same
+from shared.blocks.linear import RowwiseLinear
 from shared.blocks.norms import norm
 from shared.checkpoint import load_weights, read_config
 
@@ -145,7 +146,7 @@ class Generator(nn.Module):
         super().__init__()
         self.config = config
         first = config.g_channels[0]
-        self.project = nn.Linear(config.z_dim, first * 4 * 4)
+        self.project = RowwiseLinear(config.z_dim, first * 4 * 4)  # batch-invariant: served images are batched
         self.class_embed = nn.Embedding(config.n_classes, first * 4 * 4) if config.n_classes else None
         self.project_norm = norm("batchnorm2d", first)
         self.blocks = nn.ModuleList(

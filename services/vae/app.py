@@ -3,6 +3,11 @@
 The diffusion app calls `Decode` on this application through a deployment handle, so the two scale apart. It
 serves the demo VAE (32x32 images, 4x8x8 latents) or a diffusers AutoencoderKL folder (a Stable Diffusion
 pipeline's ``vae/``: any size whose sides are multiples of 8, up to MAX_PIXELS).
+
+Encode, Decode and Reconstruct each have a batcher (services/common/batcher.py): concurrent requests become one
+model call of up to `max_batch_images` images (serve config args), one call per image size, and each gets back
+exactly what it would have got alone (the VAE is batch-invariant, tests/services/vae). Encode's posterior sample is
+drawn from the request's own seed after its batch returns.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from ray import serve
 from ray.serve.deployment import Application
 
 from services.common import health
-from services.common.builder import AppArgs, build_app
+from services.common.batcher import BatchArgs, Batcher, rows_by_shape
+from services.common.builder import build_app
 from services.common.device import serving_device
 from services.common.errors import InvalidArgument
 from services.common.gate import Gate
@@ -59,14 +65,39 @@ def load_any_vae(model_dir: str | None, device: torch.device) -> tuple[VAE, bool
 @serve.deployment(name="Vae")
 class Vae:
     __getattr__ = unknown_rpcs
-    def __init__(self, model_dir: str | None, settings: AppArgs | None = None):
+
+    def __init__(self, model_dir: str | None, args: BatchArgs):
         self.metrics = ServiceMetrics("vae")
-        self.gate = Gate.from_env((settings or AppArgs()).rate_limits)
+        self.gate = Gate.from_env(args.rate_limits)
         self.device = serving_device()
         self.vae, self.any_size = load_any_vae(model_dir, self.device)
         self.latent_shape = tuple(self.vae.config.latent_shape)
         self.image_size = self.vae.config.image_size
         self.factor = self.vae.config.downsample_factor
+        self.batchers = {name: self._batcher(name, args) for name in ("encode", "decode", "reconstruct")}
+
+    def _batcher(self, name: str, args: BatchArgs) -> Batcher:
+        """A batcher for one of the VAE's methods: its inputs' rows concatenated, one call per image size."""
+        method = getattr(self.vae, name)
+
+        def run(inputs: list[torch.Tensor]) -> list:
+            def call(x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+                out = method(x.to(self.device))
+                return tuple(t.cpu() for t in out) if isinstance(out, tuple) else out.cpu()
+
+            with torch.inference_mode():
+                return rows_by_shape(call, inputs)
+
+        return Batcher(run, len, args.max_batch_images, args.batch_wait_s,
+                       lambda images, waits: self.metrics.batch(name, images, waits))
+
+    async def _batched(self, name: str, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """`self.vae.<name>(x)` through its batcher, in pieces of at most a batch."""
+        batcher = self.batchers[name]
+        pieces = await asyncio.gather(*(batcher.submit(part) for part in x.split(batcher.max_size)))
+        if isinstance(pieces[0], tuple):
+            return tuple(torch.cat(parts) for parts in zip(*pieces, strict=True))
+        return torch.cat(pieces)
 
     def _images(self, images: list[ImageIn]) -> torch.Tensor:
         size = None if self.any_size else self.image_size
@@ -95,16 +126,10 @@ class Vae:
         req = parse(ImagesIn, request)
         x = self._images(req.images)  # (N, 3, H, W)
         generator = torch.Generator().manual_seed(resolve_seed(req.seed))
-
-        def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            with torch.inference_mode():
-                mean, logvar = (t.cpu() for t in self.vae.encode(x.to(self.device)))  # (N, C, h, w) each
-                if not req.sample:
-                    return mean, mean, logvar
-                eps = torch.randn(mean.shape, generator=generator)
-                return mean + torch.exp(0.5 * logvar) * eps, mean, logvar
-
-        latents, mean, logvar = await asyncio.to_thread(run)
+        mean, logvar = await self._batched("encode", x)  # (N, C, h, w) each
+        latents = mean
+        if req.sample:
+            latents = mean + torch.exp(0.5 * logvar) * torch.randn(mean.shape, generator=generator)
         return vae_pb2.EncodeResponse(
             latents=tensor_message(latents),
             mean=tensor_message(mean),
@@ -114,25 +139,13 @@ class Vae:
 
     @unary(vae_pb2.DecodeRequest, common_pb2.ImagesResponse)
     async def Decode(self, request: vae_pb2.DecodeRequest) -> common_pb2.ImagesResponse:
-        z = self._latents(request)
-
-        def run() -> torch.Tensor:
-            with torch.inference_mode():
-                return self.vae.decode(z.to(self.device)).cpu()
-
-        images = await asyncio.to_thread(run)
+        images = await self._batched("decode", self._latents(request))
         self.metrics.images("Decode", images.shape[0])
         return images_response(images, seed=0)
 
     @unary(vae_pb2.ReconstructRequest, common_pb2.ImagesResponse)
     async def Reconstruct(self, request: vae_pb2.ReconstructRequest) -> common_pb2.ImagesResponse:
-        x = self._images(parse(ImagesIn, request).images)
-
-        def run() -> torch.Tensor:
-            with torch.inference_mode():
-                return self.vae.reconstruct(x.to(self.device)).cpu()
-
-        images = await asyncio.to_thread(run)
+        images = await self._batched("reconstruct", self._images(parse(ImagesIn, request).images))
         self.metrics.images("Reconstruct", images.shape[0])
         return images_response(images, seed=0)
 
@@ -146,4 +159,4 @@ class Vae:
 
 
 def build(args: dict[str, Any] | None = None) -> Application:
-    return build_app("vae", Vae, args)
+    return build_app("vae", Vae, args, BatchArgs)

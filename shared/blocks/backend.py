@@ -27,8 +27,9 @@ are forward-only), and torch otherwise. On the CPU, "torch" runs the decode step
 the kernels package (kernels/cpu_gemv.py, kernels/cpu_paged_decode.py): matrix-vector products that stream weights
 at close to memory bandwidth where MKL does not, and paged attention in one call instead of a dozen tensor ops;
 products with GGUF-quantised weights that dequantise each block inside the matrix-vector loop (kernels/cpu_quant.py;
-"triton" runs kernels/quant_matmul.py for them); small convolutions on oneDNN with the weight reordered once instead
-of on every call (kernels/cpu_conv.py),
+"triton" runs kernels/quant_matmul.py for them); convolutions on oneDNN, small ones with the weight reordered once
+instead of on every call, the path chosen by one image's size so that batching never changes an image
+(kernels/cpu_conv.py),
 GroupNorm + SiLU in one pass over either memory layout (kernels/cpu_group_norm.py), and a U-Net's whole spatial
 transformer in one call on the BLAS sgemm (kernels/cpu_spatial_transformer.py).
 Modules hold a backend and never branch on devices themselves.
@@ -195,11 +196,14 @@ class TorchBackend(ReferenceBackend):
         return super().quant_linear(x, blocks, qtype, bias)
 
     def conv2d(self, x, weight, bias=None, *, stride, padding, prepared=None) -> torch.Tensor:
-        if prepared is not None and x.device.type == "cpu" and not _needs_grad(x, weight, bias):
+        if x.device.type == "cpu" and not _needs_grad(x, weight, bias):
             from kernels import cpu_conv
 
-            if cpu_conv.supports(x, weight, stride, padding):
+            # the path depends on one image's size, never on the batch's: batched images stay bit-identical
+            if prepared is not None and cpu_conv.supports(x, weight, stride, padding):
                 return cpu_conv.conv2d(x, weight, bias, stride, padding, prepared)
+            if cpu_conv.onednn(x, weight):
+                return cpu_conv.unprepared(x, weight, bias, stride, padding)
         return F.conv2d(x, weight, bias, stride, padding)
 
     def group_norm(self, x, groups: int, weight=None, bias=None, eps: float = 1e-5, *, silu: bool = False):

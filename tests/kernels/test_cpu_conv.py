@@ -30,16 +30,28 @@ def test_prepared_conv_matches_conv2d(shape, out_ch, k, stride, padding, bias):
         torch.testing.assert_close(out, F.conv2d(x, w, b, stride, padding), atol=1e-4, rtol=1e-5)
 
 
-def test_single_images_large_or_tiny_outputs_and_other_dtypes_keep_the_plain_path():
+def test_the_path_follows_one_image_size_and_dtype_never_the_batch_size():
     w = torch.randn(8, 8, 3, 3)
-    assert cpu_conv.supports(torch.randn(2, 8, 16, 16), w, (1, 1), (1, 1))  # 512 output pixels
-    assert not cpu_conv.supports(torch.randn(4, 8, 16, 16), w, (1, 1), (1, 1))  # 1024
-    assert not cpu_conv.supports(torch.randn(1, 8, 16, 16), w, (1, 1), (1, 1))  # one image: torch's im2col path
-    assert not cpu_conv.supports(torch.randn(2, 8, 4, 4), torch.randn(8, 8, 1, 1), (1, 1), (0, 0))  # 2 kFLOP
+    for batch in (1, 2, 4, 64):
+        assert cpu_conv.supports(torch.randn(batch, 8, 16, 22), w, (1, 1), (1, 1))  # 352 output pixels per image
+        assert not cpu_conv.supports(torch.randn(batch, 8, 32, 32), w, (1, 1), (1, 1))  # 1024
     assert not cpu_conv.supports(torch.randn(2, 8, 16, 16, dtype=torch.bfloat16), w.bfloat16(), (1, 1), (1, 1))
     x = torch.randn(2, 64, 4, 4)
     with torch.inference_mode():
         assert not cpu_conv.supports(x, torch.randn(64, 64, 3, 3), (1, 1), (1, 1))  # cannot track versions
+
+
+@pytest.mark.parametrize(("size", "k"), [(8, 3), (8, 1), (32, 3), (32, 1)])  # prepared and unprepared paths
+def test_an_image_is_bit_identical_alone_and_in_any_batch(size, k):
+    """What lets the image apps batch requests: no batch size or position changes an image's bits."""
+    torch.manual_seed(size + k)
+    conv, x = Conv2d(24, 16, k, padding=k // 2), torch.randn(33, 24, size, size)
+    with torch.inference_mode():
+        whole = conv(x)
+        for n in (1, 2, 3, 4, 15, 16, 17):
+            assert torch.equal(conv(x[:n]), whole[:n])
+        order = torch.randperm(33)
+        assert torch.equal(conv(x[order]), whole[order])
 
 
 def test_module_sees_in_place_weight_updates_and_copies_without_its_cache():
