@@ -17,15 +17,16 @@ from grpc_health.v1 import health_pb2
 from . import requests
 from .errors import from_rpc_error
 from .sync import CHANNEL_OPTIONS, DEFAULT_ADDRESS, Stubs, metadata
+from .tls import ClientTls, aio_channel
 
 
 class AsyncClient:
     """genserve over gRPC from asyncio code; use `async with AsyncClient() as client:`."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None):
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None, tls: ClientTls | None = None):
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = aio_channel(address, tls, CHANNEL_OPTIONS)
         self._stubs = Stubs.on(self._channel)
 
     async def close(self) -> None:

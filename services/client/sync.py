@@ -1,4 +1,5 @@
-"""The blocking client: one channel to the Serve gRPC proxy, the `application` metadata set per call."""
+"""The blocking client: one channel (plaintext or TLS) to the Serve gRPC proxy, the `application` metadata set per
+call."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from . import requests
 from .errors import from_rpc_error
+from .tls import ClientTls, channel
 
 DEFAULT_ADDRESS = os.environ.get("GENSERVE_ADDRESS", "127.0.0.1:9000")
 # Images and latents of a full batch stay well under this.
@@ -56,10 +58,11 @@ def metadata(application: str) -> tuple[tuple[str, str], ...]:
 class Client:
     """genserve over gRPC. Every method raises a services.client.errors.GenserveError subclass on failure."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None):
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None, tls: ClientTls | None = None):
+        """`tls`: connect over TLS (services.client.tls); None: plaintext."""
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = channel(address, tls, CHANNEL_OPTIONS)
         self._stubs = Stubs.on(self._channel)
 
     def close(self) -> None:
