@@ -7,7 +7,7 @@ Ports are flags (or env vars) so that several stacks can share a machine:
   --http-port (GENSERVE_HTTP_PORT, 8000)    the Serve HTTP proxy: the OpenAI-compatible API under /v1
   --metrics-port (GENSERVE_METRICS_PORT, 8080) Ray's Prometheus endpoint, with the genserve_* metrics
 Ray's own ports (GCS, raylet, object manager) are picked free at start.
-GENSERVE_TLS_CERT + GENSERVE_TLS_KEY (+ GENSERVE_TLS_CLIENT_CA) serve both ports over TLS (services/common/tls_front.py).
+GENSERVE_TLS_CERT + GENSERVE_TLS_KEY (+ GENSERVE_TLS_CLIENT_CA): gRPC and HTTP over TLS (services/common/tls_front.py).
 """
 
 from __future__ import annotations

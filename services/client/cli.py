@@ -309,9 +309,12 @@ def main(argv: list[str] | None = None) -> int:
             return args.func(client, args)
     except GenserveError as error:
         details = error.details.lower()
-        if isinstance(error, Unavailable) and ("handshake" in details or "ssl" in details or "tsi_" in details):
-            print(f"genserve: the TLS handshake with {args.address} failed (plaintext server, untrusted certificate, "
-                  f"or a client certificate missing or refused): {error.details}", file=sys.stderr)
+        if isinstance(error, Unavailable) and ("handshake" in details or "tsi_" in details):
+            print(f"genserve: the TLS handshake with {args.address} failed (a plaintext server, a certificate that "
+                  f"--tls-ca does not trust, or a client certificate refused): {error.details}", file=sys.stderr)
+        elif isinstance(error, Unavailable) and "socket closed" in details:
+            print(f"genserve: {args.address} closed the connection: a TLS server called without --tls-ca, or a "
+                  "mutual-TLS one without --tls-cert/--tls-key?", file=sys.stderr)
         elif isinstance(error, Unavailable) and "failed to connect" in details:
             print(f"genserve: no genserve server at {args.address} — start one with `make serve`", file=sys.stderr)
         else:
