@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.common.deploy_config import GRPC_PORT, HTTP_PORT
+
 CERT_ENV = "GENSERVE_TLS_CERT"
 KEY_ENV = "GENSERVE_TLS_KEY"
 CLIENT_CA_ENV = "GENSERVE_TLS_CLIENT_CA"
@@ -267,8 +269,8 @@ def start(config: dict[str, Any], environ: Mapping[str, str] = os.environ) -> Fr
 # environment (compose: the ray-head service; KubeRay: the head pod itself, the front being its sidecar).
 UPSTREAM_HOST = "{env.GENSERVE_TLS_UPSTREAM}"
 DEPLOY_ROUTES = (
-    Route("grpc", f":{CONTAINER_GRPC_PORT}", f"{UPSTREAM_HOST}:9000", grpc=True),
-    Route("http", f":{CONTAINER_HTTP_PORT}", f"{UPSTREAM_HOST}:8000", grpc=False),
+    Route("grpc", f":{CONTAINER_GRPC_PORT}", f"{UPSTREAM_HOST}:{GRPC_PORT}", grpc=True),
+    Route("http", f":{CONTAINER_HTTP_PORT}", f"{UPSTREAM_HOST}:{HTTP_PORT}", grpc=False),
 )
 DEPLOY_CONFIGS = {
     "caddy.json": TlsFiles(CONTAINER_FILES["cert"], CONTAINER_FILES["key"]),
