@@ -214,7 +214,8 @@ class Front:
         ca = self.files.client_ca
         lines = [f"  TLS on ({f'mutual: client certificates signed by {ca}' if ca else 'server certificate only'}):"]
         for route in self.routes:
-            lines.append(f"    {route.name} on {route.listen or '*'} through Caddy -> {route.upstream}")
+            where = f"*{route.listen}" if route.listen.startswith(":") else route.listen
+            lines.append(f"    {route.name} on {where} through Caddy -> {route.upstream}")
         if not any(route.name == "http" for route in self.routes):
             lines.append("    http: Serve's HTTP proxy with Ray's ssl_* options")
         internal = next(route.upstream for route in self.routes if route.grpc).rsplit(":", 1)[1]
