@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from services.common import tls_front
+from services.common.drain import DRAIN_SECONDS
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVE_CONFIG = ROOT / "deploy" / "serve_config.yaml"
@@ -35,6 +36,8 @@ HEALTH_PORT = 9001
 DASHBOARD_PORT = 8265
 METRICS_PORT = 8080
 WEIGHTS_CLAIM = "genserve-weights"
+# A pod that stops gives its replicas the drain time (graceful_shutdown_timeout_s in the serve config) and a margin.
+TERMINATION_GRACE_S = int(DRAIN_SECONDS) + 30
 # The TLS front: the image compose uses, its config map, and the kubernetes.io/tls Secret (tls.crt, tls.key, and
 # ca.crt when the config is caddy.mtls.json).
 CADDY_IMAGE = "caddy:2.11.7"
@@ -58,10 +61,16 @@ class _Dumper(yaml.SafeDumper):
 _Dumper.add_representer(_Block, lambda dumper, data: dumper.represent_scalar("tag:yaml.org,2002:str", data, style="|"))
 
 
+API_KEYS_SECRET = "genserve-api-keys"  # key `keys`: comma-separated API keys (docs/security.md)
+
+
 def _env() -> list[dict]:
+    # Without the secret, only callers inside the pod are served: calls through the Service come from pod IPs.
+    api_keys = {"secretKeyRef": {"name": API_KEYS_SECRET, "key": "keys", "optional": True}}
     return [
         {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"},
         {"name": "GENSERVE_BACKEND", "value": "auto"},
+        {"name": "GENSERVE_API_KEYS", "valueFrom": api_keys},
     ]
 
 
@@ -74,15 +83,18 @@ def _weights() -> tuple[list[dict], list[dict]]:
 
 def _tls_sidecar() -> tuple[dict, list[dict]]:
     """Caddy beside Ray in the head pod (after it: KubeRay takes the first container for Ray), terminating TLS for
-    the head's gRPC and HTTP proxies on 127.0.0.1; returns (container, volumes)."""
+    the head's gRPC and HTTP proxies; returns (container, volumes)."""
     container = {
         "name": "tls-front",
         "image": CADDY_IMAGE,
         # $(VAR) is expanded by Kubernetes from the container's env: set GENSERVE_TLS_FRONT to caddy.mtls.json
         # (and add ca.crt to the Secret) for mutual TLS.
         "args": ["caddy", "run", "--config", "/etc/genserve-tls/$(GENSERVE_TLS_FRONT)"],
+        # The upstream is the pod's own IP, not 127.0.0.1: Serve's peer rule (no API keys: loopback callers only)
+        # must see callers through the front as from another host, as it sees them on the plain ports. An IPv4 pod
+        # IP; an IPv6-only cluster needs the address in brackets.
         "env": [{"name": "GENSERVE_TLS_FRONT", "value": "caddy.json"},
-                {"name": "GENSERVE_TLS_UPSTREAM", "value": "127.0.0.1"}],
+                {"name": "GENSERVE_TLS_UPSTREAM", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
         "ports": [{"containerPort": tls_front.CONTAINER_GRPC_PORT, "name": "grpc-tls"},
                   {"containerPort": tls_front.CONTAINER_HTTP_PORT, "name": "https"}],
         "resources": {"requests": {"cpu": "250m", "memory": "128Mi"}, "limits": {"cpu": "1", "memory": "512Mi"}},
@@ -107,6 +119,7 @@ def _head_group(tls: bool) -> dict:
         "rayStartParams": {"num-gpus": "0", "dashboard-host": "0.0.0.0", "metrics-export-port": str(METRICS_PORT)},
         "template": {
             "spec": {
+                "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
                 "containers": [
                     {
                         "name": "ray-head",
@@ -145,6 +158,7 @@ def _gpu_worker_group() -> dict:
         "rayStartParams": {"metrics-export-port": str(METRICS_PORT)},
         "template": {
             "spec": {
+                "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
                 "containers": [
                     {
                         "name": "ray-worker",

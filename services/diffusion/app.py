@@ -25,9 +25,10 @@ from ray.serve.deployment import Application
 from ray.serve.exceptions import BackPressureError
 
 from services.common import health
-from services.common.builder import build_app, handle_to
+from services.common.builder import AppArgs, build_app, handle_to
 from services.common.device import serving_device
 from services.common.errors import InvalidArgument
+from services.common.gate import Gate
 from services.common.images import image_messages, tensor_message
 from services.common.metrics import ServiceMetrics
 from services.common.rpc import streaming, unary, unknown_rpcs
@@ -85,8 +86,9 @@ class Diffusion:
         BackPressureError: (grpc.StatusCode.RESOURCE_EXHAUSTED, None),
     }
 
-    def __init__(self, model_dir: str | None):
+    def __init__(self, model_dir: str | None, settings: AppArgs | None = None):
         self.metrics = ServiceMetrics("diffusion")
+        self.gate = Gate.from_env((settings or AppArgs()).rate_limits)
         self.pipe = DiffusionPipeline.from_dir(model_dir, device=serving_device())
         self._vae = None
         self._status = health.ServeStatusCache()
@@ -171,8 +173,16 @@ class Diffusion:
     @unary(health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse)
     async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
         """NOT_SERVING while the `vae` application (which decodes our latents) is not RUNNING."""
+        return health.check(request, SERVICE, serving=await self._serving())
+
+    @streaming(health_pb2.HealthCheckRequest)
+    async def Watch(self, request: health_pb2.HealthCheckRequest) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        async for reply in health.watch(request, SERVICE, self._serving):
+            yield reply
+
+    async def _serving(self) -> bool:
         running = await asyncio.to_thread(self._status.running)
-        return health.check(request, SERVICE, serving=running.get("vae", False))
+        return running.get("vae", False)
 
 
 def build(args: dict[str, Any] | None = None) -> Application:

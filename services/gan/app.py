@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
@@ -13,11 +14,12 @@ from ray import serve
 from ray.serve.deployment import Application
 
 from services.common import health
-from services.common.builder import build_app
+from services.common.builder import AppArgs, build_app
 from services.common.device import serving_device
+from services.common.gate import Gate
 from services.common.images import images_response
 from services.common.metrics import ServiceMetrics
-from services.common.rpc import unary, unknown_rpcs
+from services.common.rpc import streaming, unary, unknown_rpcs
 from services.common.validation import Request, parse, resolve_seed
 from services.gan.model import load_generator
 from services.gan.sampling import generate, sample_latents, slerp
@@ -46,8 +48,9 @@ class InterpolateIn(Request):
 class ImageGan:
     __getattr__ = unknown_rpcs
 
-    def __init__(self, model_dir: str | None):
+    def __init__(self, model_dir: str | None, settings: AppArgs | None = None):
         self.metrics = ServiceMetrics("gan")
+        self.gate = Gate.from_env((settings or AppArgs()).rate_limits)
         self.generator = load_generator(model_dir, device=serving_device())
         self.z_dim = self.generator.config.z_dim
 
@@ -79,6 +82,11 @@ class ImageGan:
     @unary(health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse)
     async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
         return health.check(request, SERVICE, serving=True)
+
+    @streaming(health_pb2.HealthCheckRequest)
+    async def Watch(self, request: health_pb2.HealthCheckRequest) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        async for reply in health.watch(request, SERVICE, health.always_serving):
+            yield reply
 
 
 def build(args: dict[str, Any] | None = None) -> Application:

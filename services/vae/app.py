@@ -8,6 +8,7 @@ pipeline's ``vae/``: any size whose sides are multiples of 8, up to MAX_PIXELS).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,13 @@ from ray import serve
 from ray.serve.deployment import Application
 
 from services.common import health
-from services.common.builder import build_app
+from services.common.builder import AppArgs, build_app
 from services.common.device import serving_device
 from services.common.errors import InvalidArgument
+from services.common.gate import Gate
 from services.common.images import MAX_PIXELS, from_png, images_response, tensor_from_message, tensor_message
 from services.common.metrics import ServiceMetrics
-from services.common.rpc import unary, unknown_rpcs
+from services.common.rpc import streaming, unary, unknown_rpcs
 from services.common.validation import Request, parse, resolve_seed
 from services.vae.autoencoder_kl import is_autoencoder_kl, load_autoencoder_kl
 from services.vae.model import VAE, load_vae
@@ -58,8 +60,9 @@ def load_any_vae(model_dir: str | None, device: torch.device) -> tuple[VAE, bool
 @serve.deployment(name="Vae")
 class Vae:
     __getattr__ = unknown_rpcs
-    def __init__(self, model_dir: str | None):
+    def __init__(self, model_dir: str | None, settings: AppArgs | None = None):
         self.metrics = ServiceMetrics("vae")
+        self.gate = Gate.from_env((settings or AppArgs()).rate_limits)
         self.device = serving_device()
         self.vae, self.any_size = load_any_vae(model_dir, self.device)
         self.latent_shape = tuple(self.vae.config.latent_shape)
@@ -141,6 +144,11 @@ class Vae:
     @unary(health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse)
     async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
         return health.check(request, SERVICE, serving=True)
+
+    @streaming(health_pb2.HealthCheckRequest)
+    async def Watch(self, request: health_pb2.HealthCheckRequest) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        async for reply in health.watch(request, SERVICE, health.always_serving):
+            yield reply
 
 
 def build(args: dict[str, Any] | None = None) -> Application:

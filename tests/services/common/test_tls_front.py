@@ -82,7 +82,7 @@ def test_tls_moves_serve_grpc_behind_caddy_and_gives_http_rays_ssl_options(pki: 
     from ray.serve.schema import ServeDeploySchema
 
     config = serve_config("local", grpc_port=9000, http_port=8000)
-    routes = tls_front.plan(config, _files(pki, mutual=False))
+    routes = tls_front.plan(config, _files(pki, mutual=False), local_only=False)
     assert routes == (Route("grpc", ":9000", "127.0.0.1:29000", grpc=True),)
     assert config["grpc_options"]["port"] == 29000
     assert config["http_options"] == {"host": "127.0.0.1", "port": 8000, "ssl_certfile": str(pki.server.cert),
@@ -97,15 +97,25 @@ def test_mutual_tls_puts_http_behind_caddy_too(pki: Pki) -> None:
     """Ray hands uvicorn ssl_ca_certs but not ssl_cert_reqs (CERT_NONE), which would serve clients without a
     certificate; so Caddy checks them and Serve's HTTP proxy moves to 127.0.0.1."""
     config = serve_config("gpu", grpc_port=9000, http_port=8000)
-    routes = tls_front.plan(config, _files(pki, mutual=True))
+    routes = tls_front.plan(config, _files(pki, mutual=True), local_only=False)
     assert routes == (Route("grpc", ":9000", "127.0.0.1:29000", grpc=True),
                       Route("http", "0.0.0.0:8000", "127.0.0.1:28000", grpc=False))
     assert config["http_options"] == {"host": "127.0.0.1", "port": 28000}
 
 
+@pytest.mark.parametrize(("auth", "listen"), [({}, "127.0.0.1:9000"), ({"GENSERVE_INSECURE": "1"}, ":9000"),
+                                             ({"GENSERVE_API_KEYS": "k1"}, ":9000")])
+def test_without_api_keys_the_front_serves_this_host_only(pki: Pki, auth: dict, listen: str, monkeypatch) -> None:
+    """Serve sees callers through the front as 127.0.0.1, which the no-keys peer rule would serve."""
+    launched = []
+    monkeypatch.setattr(tls_front, "launch", lambda files, routes: launched.append(routes) or tls_front.Front())
+    tls_front.start(serve_config("local", grpc_port=9000), _env(pki, **auth))
+    assert launched[0][0].listen == listen
+
+
 def test_a_port_too_high_to_move_is_refused(pki: Pki) -> None:
     with pytest.raises(ValueError, match="at most 45535"):
-        tls_front.plan(serve_config("local", grpc_port=50000), _files(pki, mutual=False))
+        tls_front.plan(serve_config("local", grpc_port=50000), _files(pki, mutual=False), local_only=False)
 
 
 # --- Caddy's config ---------------------------------------------------------------------------------------------------

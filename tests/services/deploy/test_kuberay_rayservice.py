@@ -102,10 +102,11 @@ def test_tls_sidecar_mounts_the_config_map_and_the_secret(rayservice_tls: dict, 
     mounts = {m["mountPath"]: volumes[m["name"]] for m in sidecar["volumeMounts"]}
     assert mounts["/etc/genserve-tls"]["configMap"]["name"] == tls_front_config_map["metadata"]["name"]
     assert mounts["/certs"]["secret"]["secretName"] == "genserve-tls"
-    env = {e["name"]: e["value"] for e in sidecar["env"]}
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in sidecar["env"]}
     assert sidecar["args"][-1] == "/etc/genserve-tls/$(GENSERVE_TLS_FRONT)"
     assert env["GENSERVE_TLS_FRONT"] in tls_front_config_map["data"]
-    assert env["GENSERVE_TLS_UPSTREAM"] == "127.0.0.1"  # the head's own proxies, in the same pod
+    # The head's own proxies at the pod's IP, not 127.0.0.1, which the no-keys peer rule would take for a local caller.
+    assert env["GENSERVE_TLS_UPSTREAM"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     for name, text in tls_front_config_map["data"].items():
         assert text == (root / "deploy" / "tls" / name).read_text(), name
 
