@@ -11,6 +11,7 @@ Ports are flags (or env vars) so that several stacks can share a machine:
   --http-port (GENSERVE_HTTP_PORT, 8000)    the Serve HTTP proxy: the OpenAI-compatible API under /v1
   --metrics-port (GENSERVE_METRICS_PORT, 8080) Ray's Prometheus endpoint, with the genserve_* metrics
 Ray's own ports (GCS, raylet, object manager) are picked free at start.
+GENSERVE_TLS_CERT + GENSERVE_TLS_KEY (+ GENSERVE_TLS_CLIENT_CA): gRPC and HTTP over TLS (services/common/tls_front.py).
 
 Who may call (docs/security.md): with GENSERVE_API_KEYS / GENSERVE_API_KEYS_FILE every call needs one of the keys;
 without keys only callers on this host are served, unless --insecure (GENSERVE_INSECURE=1). The replicas read the
@@ -29,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from services.common import drain, ray_adapter
+from services.common import drain, ray_adapter, tls_front
 from services.common.auth import INSECURE_ENV, KEYS_FILE_ENV, Access, insecure
 from services.common.deploy_config import GRPC_PORT, HEALTH_PORT, HTTP_PORT, LOCAL_PATH
 from services.text import default_model
@@ -170,6 +171,8 @@ def shutdown() -> None:
     import ray
     from ray import serve
 
+    if not ray.is_initialized():  # failed before start(): serve.shutdown() would start a Ray just to stop it
+        return
     try:
         serve.shutdown()
     finally:
@@ -181,12 +184,14 @@ def config_text_model(config: dict[str, Any]) -> str:
     return (text["args"].get("model_dir") if text else None) or "the committed demo model"
 
 
-def usage(args: argparse.Namespace, config: dict[str, Any]) -> str:
+def usage(args: argparse.Namespace, config: dict[str, Any], front: tls_front.Front | None = None) -> str:
+    front = front or tls_front.Front()
     address = f"127.0.0.1:{args.grpc_port}"
-    flag = "" if args.grpc_port == GRPC_PORT else f" --address {address}"
+    flag = ("" if args.grpc_port == GRPC_PORT else f" --address {address}") + front.client_flags()
+    scheme = "https" if front.active else "http"
     return "\n".join([
         f"{READY_LINE}: gRPC on {address} (metadata application=text|gan|vae|diffusion), "
-        f"the OpenAI-compatible API on http://127.0.0.1:{args.http_port}/v1, "
+        f"the OpenAI-compatible API on {scheme}://127.0.0.1:{args.http_port}/v1, "
         f"health without metadata on 127.0.0.1:{args.health_port}, metrics on 127.0.0.1:{args.metrics_port}",
         f"  text model: {config_text_model(config)}",
         "  in another shell:",
@@ -197,8 +202,10 @@ def usage(args: argparse.Namespace, config: dict[str, Any]) -> str:
         f"    genserve{flag} diffuse \"a large blue square at the bottom right\" -o square.png",
         f"    genserve{flag} vae reconstruct square.png -o recon.png",
         f"    genserve{flag} status",
-        f"    curl http://127.0.0.1:{args.http_port}/v1/chat/completions -H 'content-type: application/json' "
+        f"    curl{front.client_flags(curl=True)} {scheme}://127.0.0.1:{args.http_port}/v1/chat/completions "
+        "-H 'content-type: application/json' "
         "-d '{\"model\": \"text\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'",
+        *([front.summary()] if front.active else []),
         "  Ctrl-C stops everything.",
     ])
 
@@ -241,13 +248,15 @@ def run(args: argparse.Namespace) -> int:
     announce(rule)
     config = load_config(args)
     started, board = time.monotonic(), None
+    front = tls_front.Front()
     try:
+        front = tls_front.start(config)  # GENSERVE_TLS_*: Caddy takes the public gRPC port, Serve moves behind it
         board = start(args, config)
         # After ray.init, which installs its own SIGTERM handler in the driver.
         signal.signal(signal.SIGINT, _raise_stop)
         signal.signal(signal.SIGTERM, _raise_stop)
         wait_ready([app["name"] for app in config["applications"]], args.timeout)
-        print(usage(args, config), flush=True)
+        print(usage(args, config, front), flush=True)
         print(f"  (ready in {time.monotonic() - started:.1f} s)", flush=True)
         while True:
             time.sleep(3600)
@@ -265,6 +274,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         shutdown()
+        front.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

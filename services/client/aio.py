@@ -20,18 +20,19 @@ from . import requests
 from .errors import from_rpc_error
 from .retries import DEFAULT_RETRY, RetryPolicy, remaining, seeded
 from .sync import CHANNEL_OPTIONS, DEFAULT_ADDRESS, Stubs, api_key_or_env, metadata
+from .tls import ClientTls, aio_channel
 
 
 class AsyncClient:
     """genserve over gRPC from asyncio code; use `async with AsyncClient() as client:`."""
 
     def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None, api_key: str | None = None,
-                 retry: RetryPolicy | None = DEFAULT_RETRY):
+                 retry: RetryPolicy | None = DEFAULT_RETRY, tls: ClientTls | None = None):
         self.address = address
         self.timeout = timeout  # the whole call's, retries included
         self.retry = retry
         self._api_key = api_key_or_env(api_key)
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = aio_channel(address, tls, CHANNEL_OPTIONS)
         self._stubs = Stubs.on(self._channel)
 
     async def close(self) -> None:

@@ -1,9 +1,10 @@
 """`genserve`: call the served models, or run the offline tools (generate, train, serve).
 
 Serving calls go to --address (default 127.0.0.1:9000, or $GENSERVE_ADDRESS) with --api-key (default
-$GENSERVE_API_KEY; needed when the server has keys); --address, --api-key and --timeout go before or after the
-subcommand. Exit status 1 on a gRPC error (its code and details are printed on stderr; "no genserve server
-at ADDR" when nothing answers), 2 when a local input file is missing or unreadable.
+$GENSERVE_API_KEY; needed when the server has keys), over TLS with --tls-ca (and --tls-cert/--tls-key for mutual
+TLS); these and --timeout go before or after the subcommand. Exit status 1 on a gRPC error (its code and details are
+printed on stderr; "no genserve server at ADDR" when nothing answers), 2 when a local input file is missing or
+unreadable.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
 from . import requests
 from .errors import GenserveError, Unavailable
 from .sync import DEFAULT_ADDRESS, Client
+from .tls import CA_ENV, CERT_ENV, KEY_ENV, ClientTls
 
 OFFLINE_TRAIN = ("text", "vae", "gan", "diffusion")
 HEALTH = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
@@ -185,7 +188,19 @@ def _common_options(defaults: bool) -> argparse.ArgumentParser:
                         help="per-call deadline in seconds")
     parser.add_argument("--api-key", default=None if defaults else argparse.SUPPRESS,
                         help="the server's API key (default $GENSERVE_API_KEY)")
+    for flag, env, what in (("--tls-ca", CA_ENV, "connect over TLS, trusting this CA (PEM)"),
+                            ("--tls-cert", CERT_ENV, "client certificate (PEM) for a mutual-TLS server"),
+                            ("--tls-key", KEY_ENV, "the client certificate's key (PEM)")):
+        parser.add_argument(flag, metavar="FILE", default=os.environ.get(env) if defaults else argparse.SUPPRESS,
+                            help=f"{what} (default ${env})")
     return parser
+
+
+def _tls(args: argparse.Namespace) -> ClientTls | None:
+    """None (plaintext) unless a --tls-* flag or GENSERVE_TLS_CA / _CLIENT_CERT / _CLIENT_KEY is given."""
+    if not (args.tls_ca or args.tls_cert or args.tls_key):
+        return None
+    return ClientTls(args.tls_ca, args.tls_cert, args.tls_key)
 
 
 def _client_parsers(sub: argparse._SubParsersAction) -> None:
@@ -297,10 +312,17 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
-        with Client(args.address, timeout=args.timeout, api_key=args.api_key) as client:
+        with Client(args.address, timeout=args.timeout, api_key=args.api_key, tls=_tls(args)) as client:
             return args.func(client, args)
     except GenserveError as error:
-        if isinstance(error, Unavailable) and "failed to connect" in error.details.lower():
+        details = error.details.lower()
+        if isinstance(error, Unavailable) and ("handshake" in details or "tsi_" in details):
+            print(f"genserve: the TLS handshake with {args.address} failed (a plaintext server, a certificate that "
+                  f"--tls-ca does not trust, or a client certificate refused): {error.details}", file=sys.stderr)
+        elif isinstance(error, Unavailable) and "socket closed" in details:
+            print(f"genserve: {args.address} closed the connection: a TLS server called without --tls-ca, or a "
+                  "mutual-TLS one without --tls-cert/--tls-key?", file=sys.stderr)
+        elif isinstance(error, Unavailable) and "failed to connect" in details:
             print(f"genserve: no genserve server at {args.address} — start one with `make serve`", file=sys.stderr)
         else:
             print(f"genserve: {error.code.name}: {error.details}", file=sys.stderr)

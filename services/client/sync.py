@@ -1,5 +1,6 @@
-"""The blocking client: one channel to the Serve gRPC proxy, the `application` metadata (and the API key's
-`authorization: Bearer <key>`) set per call; idempotent unary calls are retried (services/client/retries.py)."""
+"""The blocking client: one channel (plaintext or TLS, services/client/tls.py) to the Serve gRPC proxy, the
+`application` metadata (and the API key's `authorization: Bearer <key>`) set per call; idempotent unary calls are
+retried (services/client/retries.py)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from . import requests
 from .errors import from_rpc_error
 from .retries import DEFAULT_RETRY, RetryPolicy, remaining, seeded
+from .tls import ClientTls, channel
 
 DEFAULT_ADDRESS = os.environ.get("GENSERVE_ADDRESS", "127.0.0.1:9000")
 API_KEY_ENV = "GENSERVE_API_KEY"
@@ -69,12 +71,13 @@ class Client:
     `api_key` (default $GENSERVE_API_KEY) goes with every call."""
 
     def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None, api_key: str | None = None,
-                 retry: RetryPolicy | None = DEFAULT_RETRY):
+                 retry: RetryPolicy | None = DEFAULT_RETRY, tls: ClientTls | None = None):
+        """`tls`: connect over TLS (services.client.tls); None: plaintext."""
         self.address = address
         self.timeout = timeout  # the whole call's, retries included
         self.retry = retry
         self._api_key = api_key_or_env(api_key)
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = channel(address, tls, CHANNEL_OPTIONS)
         self._stubs = Stubs.on(self._channel)
 
     def close(self) -> None:
