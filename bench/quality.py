@@ -1,6 +1,7 @@
 """Image-model quality from the committed weights, as one markdown table of goal / measured / met.
 
-    python -m bench.quality [--quick] [--skip-diffusion] [--out docs/quality.md] [--grids docs/img] [--threads 1]
+    python -m bench.quality [--quick] [--skip-diffusion] [--negatives | --negatives-only] [--out docs/quality.md]
+                            [--grids docs/img] [--threads 1]
 
 Every number is read by the project's attribute reader (services/shapes/reader.py), on held-out data:
 - dataset: the reader's own accuracy (all four attributes right) on 1,000 held-out dataset images;
@@ -9,6 +10,10 @@ Every number is read by the project's attribute reader (services/shapes/reader.p
   shape×colour combinations that appear among them (plain draws, and again with the truncation trick at 1.0);
 - diffusion: ``services.diffusion.evaluate.evaluate(n_prompts=200, steps=20, guidance_scale=3.0, seed=0)``, the
   per-attribute prompt adherence over held-out prompts.
+- negative prompts (``--negatives``, a second table; ``--negatives-only`` for just that one): per guidance mode, the
+  adherence of the same 200 held-out prompts and seeds with no negative, with a negative naming another colour,
+  shape or position, and with "a blurry image"; and the steering figure on colour-open prompts
+  (``services.diffusion.negatives``).
 A model whose weights (or code) are missing gets a row that says why instead of a crash. ``--quick`` uses 200
 images / draws / prompts for a fast check (the goals are stated for the full counts). ``--grids DIR`` also
 writes the sample grids the docs show (shapes_*, vae_*, gan_* PNGs), from the same weights and fixed seeds.
@@ -87,6 +92,50 @@ def diffusion_rows(n: int) -> list[Row]:
     return [_row(f"diffusion: {attr} correct ({where})", scores[attr], goal) for attr, goal in goals.items()]
 
 
+# (guidance mode, negative weight) pairs the negative-prompt table compares; None: the model's default weight.
+NEGATIVE_MODES: tuple[tuple[str, float | None], ...] = (("perp_neg", 0.5), ("cfg", None), ("perp_neg", 1.0),
+                                                      ("perp_neg", 0.75))
+NEGATIVE_GOALS = {"colour": 0.95, "shape": 0.85, "position": 0.90}
+
+
+def negative_tables(n: int) -> str:
+    """The negative-prompt adherence table and the steering table, per mode in ``NEGATIVE_MODES``. Without a
+    negative every mode runs the same two passes, so that row and the steering baseline are computed once."""
+    from services.diffusion.negatives import adherence, open_colour_reads, steering
+    from services.diffusion.pipeline import DiffusionPipeline
+    from services.vae.model import load_vae
+
+    pipe, vae = DiffusionPipeline.from_dir(), load_vae()
+    default = (pipe.model.default_guidance, pipe.model.default_negative_weight)
+    adherence_lines = [f"| guidance | negatives ({n} held-out prompts, 20 steps, guidance 3) | colour | shape | "
+                       "position | size | all | goals met (colour ≥ 0.95, shape ≥ 0.85, position ≥ 0.90) |",
+                       "|---|---|---|---|---|---|---|---|"]
+    steering_lines = [f"| guidance | drawn colour appears, no negative ({n} colour-open prompts) | with a negative "
+                      "naming it | at most half as often | shape, size, position kept |", "|---|---|---|---|---|"]
+
+    def add_adherence(name: str, negatives: str, scores: dict[str, float]) -> None:
+        met = all(scores[attr] >= goal for attr, goal in NEGATIVE_GOALS.items())
+        cells = " | ".join(f"{scores[a]:.3f}" for a in ("colour", "shape", "position", "size", "all"))
+        adherence_lines.append(f"| {name} | {negatives} | {cells} | {'yes' if met else 'no'} |")
+        print(adherence_lines[-1], file=sys.stderr, flush=True)
+
+    add_adherence("every mode", "none", adherence(pipe, vae, "none", n_prompts=n))
+    before = open_colour_reads(pipe, vae, n_prompts=n)
+    for mode, weight in NEGATIVE_MODES:
+        w_n = default[1] if weight is None else weight
+        name = mode if mode == "cfg" else f"{mode}, w_n = {w_n:g}"
+        name += " (default)" if (mode, w_n) == default else ""
+        options = {"guidance": mode, "negative_weight": w_n}
+        for negatives in ("contrasting", "generic"):
+            add_adherence(name, negatives, adherence(pipe, vae, negatives, n_prompts=n, **options))
+        figures = steering(pipe, vae, before, **options)
+        met = "yes" if figures["with"] <= figures["without"] / 2 else "no"
+        steering_lines.append(f"| {name} | {figures['without']:.3f} | {figures['with']:.3f} | {met} | "
+                              f"{figures['kept']:.3f} |")
+        print(steering_lines[-1], file=sys.stderr, flush=True)
+    return "\n".join(adherence_lines) + "\n\n" + "\n".join(steering_lines)
+
+
 def _guarded(name: str, build: Callable[[int], list[Row]], n: int) -> list[Row]:
     """Run one section; weights or code that are not there yet become an explanatory row."""
     started = time.perf_counter()
@@ -143,25 +192,35 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines + [f"| {' | '.join(row)} |" for row in rows])
 
 
+def _print_and_write(text: str, out: Path | None) -> int:
+    print(text)
+    if out is not None:
+        out.write_text(text + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="200 images/draws/prompts instead of 1,000/1,000/200")
     parser.add_argument("--skip-diffusion", action="store_true")
+    parser.add_argument("--negatives", action="store_true", help="also the negative-prompt tables (200 prompts)")
+    parser.add_argument("--negatives-only", action="store_true", help="only the negative-prompt tables")
+    parser.add_argument("--negative-prompts", type=int, default=200, help="prompts per negative-prompt row")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
     parser.add_argument("--grids", type=Path, default=None, help="also write the docs' sample grids (PNG) here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     n = 200 if args.quick else 1000
+    if args.negatives_only:
+        return _print_and_write(negative_tables(args.negative_prompts), args.out)
     rows = _guarded("dataset", dataset_rows, n) + _guarded("VAE", vae_rows, n) + _guarded("GAN", gan_rows, n)
     if args.skip_diffusion:
         rows += _missing("diffusion", "skipped (--skip-diffusion)")
     else:
         rows += _guarded("diffusion", diffusion_rows, 200)
-    text = table(rows)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
+    text = table(rows) + (f"\n\n{negative_tables(args.negative_prompts)}" if args.negatives else "")
+    _print_and_write(text, args.out)
     if args.grids is not None:
         for path in write_grids(args.grids):
             print(f"wrote {path}", file=sys.stderr)

@@ -11,6 +11,8 @@ chats over each protocol (tokens/s in total).
 `--batching` prints, side by side, N concurrent one-image requests against one N-image request (GAN Sample and VAE
 Reconstruct, N = 32): with dynamic batching (services/common/batcher.py) the ratio approaches 1. A middle row sends
 N requests the gan app rejects before any model call: the cost of N requests through the proxy alone.
+    .venv/bin/python bench/serving.py --address 127.0.0.1:9000 --tls-ca ca.pem --behind 127.0.0.1:29000 \
+        --http-url https://127.0.0.1:8000/v1           # one serving TLS (docs/security.md), and the front's cost
 
 Calls in the latency tables are sequential (one in flight) so the figures are latencies, not throughput. When the
 bench starts the stack itself, a last row times the same generation on the engine in-process: the model's share.
@@ -24,6 +26,7 @@ import contextlib
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -42,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from genserve.v1 import text_pb2, text_pb2_grpc  # noqa: E402
 
-from services.client import AsyncClient, Client  # noqa: E402
+from services.client import AsyncClient, Client, ClientTls  # noqa: E402
 from services.client.errors import InvalidArgument  # noqa: E402
 from services.serve import READY_LINE  # noqa: E402
 
@@ -108,6 +111,26 @@ def timed(call: Callable[[], object], n: int, warmup: int) -> np.ndarray:
     return out * 1e3
 
 
+def interleaved(calls: dict[str, Callable[[], object]], n: int, warmup: int) -> dict[str, np.ndarray]:
+    """Like `timed` for several calls taking turns, so that a loaded machine slows all of them alike."""
+    out = {name: np.empty(n) for name in calls}
+    for i in range(-warmup, n):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            if i >= 0:
+                out[name][i] = time.perf_counter() - start
+    return {name: ms * 1e3 for name, ms in out.items()}
+
+
+def front_rows(args: argparse.Namespace) -> list[tuple[str, np.ndarray, str]]:
+    """GetModelInfo through the TLS front and on Serve's own proxy behind it (`--behind`), taking turns."""
+    with Client(args.address, timeout=120, tls=args.tls) as front, Client(args.behind, timeout=120) as behind:
+        ms = interleaved({"front": front.model_info, "behind": behind.model_info}, args.n, args.warmup)
+    return [("GetModelInfo via the TLS front (Caddy)", ms["front"], "taking turns with the next row"),
+            ("GetModelInfo via Serve proxy behind it", ms["behind"], f"plaintext {args.behind}")]
+
+
 def measure(args: argparse.Namespace) -> list[tuple[str, np.ndarray, str]]:
     rows = []
     with plain_server() as plain_address, grpc.insecure_channel(plain_address) as channel:
@@ -118,7 +141,7 @@ def measure(args: argparse.Namespace) -> list[tuple[str, np.ndarray, str]]:
         health = health_pb2_grpc.HealthStub(channel)
         rows.append(("Health/Check, health port (no proxy)", timed(
             lambda: health.Check(health_pb2.HealthCheckRequest()), args.n, args.warmup), ""))
-    with Client(args.address, timeout=120) as client:
+    with Client(args.address, timeout=120, tls=args.tls) as client:
         rows.append(("GetModelInfo via Serve proxy", timed(client.model_info, args.n, args.warmup), ""))
         rows.append(("Tokenize (5 words) via Serve proxy", timed(
             lambda: client.tokenize("The with statement is used"), args.n, args.warmup), ""))
@@ -139,6 +162,8 @@ def measure(args: argparse.Namespace) -> list[tuple[str, np.ndarray, str]]:
 
         timed(stream, args.n_generate, 2)
         rows.append(("GenerateStream: time to first chunk", np.array(first[2:]), ""))
+    if args.behind:
+        rows += front_rows(args)
     if args.address_is_ours:
         rows.append(engine_in_process(args.n_generate))
     return rows
@@ -181,7 +206,8 @@ def http_chat(http: httpx.Client, max_tokens: int) -> tuple[float, float, int]:
 def chat_rows(args: argparse.Namespace) -> list[tuple[str, np.ndarray, np.ndarray]]:
     """(name, gRPC ms, HTTP ms) for the first token and the whole answer, calls alternating between protocols."""
     runs: dict[str, list[tuple[float, float, int]]] = {"grpc": [], "http": []}
-    with Client(args.address, timeout=120) as client, httpx.Client(base_url=args.http_url, timeout=120) as http:
+    with Client(args.address, timeout=120, tls=args.tls) as client, \
+            httpx.Client(base_url=args.http_url, timeout=120, verify=args.verify) as http:
         for i in range(args.n_generate + 2):
             g, h = grpc_chat(client, args.chat_tokens), http_chat(http, args.chat_tokens)
             if i >= 2:  # warm-up
@@ -194,8 +220,8 @@ def chat_rows(args: argparse.Namespace) -> list[tuple[str, np.ndarray, np.ndarra
             (f"chat stream, whole answer ({tokens} tokens)", grpc_ms[:, 1], http_ms[:, 1])]
 
 
-async def grpc_concurrent(address: str, streams: int, max_tokens: int) -> tuple[int, float]:
-    async with AsyncClient(address, timeout=300) as client:
+async def grpc_concurrent(address: str, streams: int, max_tokens: int, tls: ClientTls | None) -> tuple[int, float]:
+    async with AsyncClient(address, timeout=300, tls=tls) as client:
         async def one() -> int:
             return sum([len(c.token_ids) async for c in client.generate_stream(
                 messages=CHAT, max_tokens=max_tokens, temperature=0)])
@@ -205,8 +231,9 @@ async def grpc_concurrent(address: str, streams: int, max_tokens: int) -> tuple[
         return sum(tokens), time.perf_counter() - start
 
 
-async def http_concurrent(url: str, streams: int, max_tokens: int) -> tuple[int, float]:
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=streams)) as http:
+async def http_concurrent(url: str, streams: int, max_tokens: int, verify: ssl.SSLContext | bool) -> tuple[int, float]:
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=streams),
+                                 verify=verify) as http:
         async def one() -> int:
             tokens = 0
             async with http.stream("POST", "/chat/completions", json=chat_body(max_tokens)) as response:
@@ -222,8 +249,8 @@ async def http_concurrent(url: str, streams: int, max_tokens: int) -> tuple[int,
 def concurrent_rows(args: argparse.Namespace) -> list[tuple[str, float, float]]:
     """(protocol, tokens/s in total, seconds) of `--streams` concurrent streamed chats, best of `--rounds`."""
     rows = []
-    for name, run in (("gRPC", lambda: grpc_concurrent(args.address, args.streams, args.stream_tokens)),
-                      ("HTTP", lambda: http_concurrent(args.http_url, args.streams, args.stream_tokens))):
+    for name, run in (("gRPC", lambda: grpc_concurrent(args.address, args.streams, args.stream_tokens, args.tls)),
+                      ("HTTP", lambda: http_concurrent(args.http_url, args.streams, args.stream_tokens, args.verify))):
         asyncio.run(run())  # warm-up
         best = max((asyncio.run(run()) for _ in range(args.rounds)), key=lambda r: r[0] / r[1])
         rows.append((name, best[0] / best[1], best[1]))
@@ -328,7 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batching", action="store_true", help="only the image apps' batching table")
     parser.add_argument("--images", type=int, default=32, help="N of the batching table")
     parser.add_argument("--port", type=int, default=9300, help="gRPC port of the stack the bench starts")
+    parser.add_argument("--tls-ca", metavar="FILE", help="a running stack with TLS: gRPC and HTTPS trusting this CA")
+    parser.add_argument("--behind", metavar="ADDR", help="with --tls-ca: Serve's own gRPC proxy behind the front "
+                        "(the gRPC port + 20000), timed against the front")
     args = parser.parse_args(argv)
+    args.tls = ClientTls(ca=args.tls_ca) if args.tls_ca else None
+    args.verify = ssl.create_default_context(cafile=args.tls_ca) if args.tls_ca else True
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if args.batching:
         if args.address is not None:

@@ -1,5 +1,9 @@
 """`make serve`: start Ray on 127.0.0.1, deploy deploy/serve_config.local.yaml, wait until every app is RUNNING,
-print how to call it, and shut everything down on Ctrl-C or SIGTERM.
+print how to call it, and on Ctrl-C or SIGTERM drain, then shut everything down.
+
+Draining (services/common/drain.py): new calls get UNAVAILABLE (HTTP 503) and health says NOT_SERVING, the calls
+in flight run on for up to --drain-seconds (GENSERVE_DRAIN_SECONDS, 30), the rest end with CANCELLED; then Serve and
+Ray stop and the process exits 0. A second Ctrl-C or SIGTERM skips what is left of the drain.
 
 Ports are flags (or env vars) so that several stacks can share a machine:
   --grpc-port (GENSERVE_GRPC_PORT, 9000)    the Serve gRPC proxy; clients send the `application` metadata
@@ -7,6 +11,11 @@ Ports are flags (or env vars) so that several stacks can share a machine:
   --http-port (GENSERVE_HTTP_PORT, 8000)    the Serve HTTP proxy: the OpenAI-compatible API under /v1
   --metrics-port (GENSERVE_METRICS_PORT, 8080) Ray's Prometheus endpoint, with the genserve_* metrics
 Ray's own ports (GCS, raylet, object manager) are picked free at start.
+GENSERVE_TLS_CERT + GENSERVE_TLS_KEY (+ GENSERVE_TLS_CLIENT_CA): gRPC and HTTP over TLS (services/common/tls_front.py).
+
+Who may call (docs/security.md): with GENSERVE_API_KEYS / GENSERVE_API_KEYS_FILE every call needs one of the keys;
+without keys only callers on this host are served, unless --insecure (GENSERVE_INSECURE=1). The replicas read the
+same variables: they inherit this process's environment.
 """
 
 from __future__ import annotations
@@ -21,7 +30,8 @@ from typing import Any
 
 import yaml
 
-from services.common import ray_adapter
+from services.common import drain, ray_adapter, tls_front
+from services.common.auth import INSECURE_ENV, KEYS_FILE_ENV, Access, insecure
 from services.common.deploy_config import GRPC_PORT, HEALTH_PORT, HTTP_PORT, LOCAL_PATH
 from services.text import default_model
 
@@ -33,6 +43,7 @@ RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
 }
 METRICS_PORT = 8080
+CUT_GRACE_S = 5.0  # past the drain time: for the replicas to end their calls and the statuses to reach the clients
 READY_LINE = "genserve: ready"
 
 
@@ -54,10 +65,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Serve's HTTP proxy: the OpenAI-compatible API (default $GENSERVE_HTTP_PORT or 8000)")
     parser.add_argument("--metrics-port", type=int, default=_env_int("GENSERVE_METRICS_PORT", METRICS_PORT),
                         help="Prometheus metrics (default $GENSERVE_METRICS_PORT or 8080)")
+    parser.add_argument("--insecure", action="store_true", default=insecure(),
+                        help="with no API keys configured, serve callers from OTHER hosts too (default: only this "
+                             "host; $GENSERVE_INSECURE=1 does the same)")
     parser.add_argument("--dashboard", action="store_true", help="also start the Ray dashboard (about 1 GB)")
     parser.add_argument("--dashboard-port", type=int, default=_env_int("GENSERVE_DASHBOARD_PORT", 8265))
     parser.add_argument("--num-cpus", type=float, default=None, help="CPUs Ray may schedule (default: all)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for every app to be RUNNING")
+    parser.add_argument("--drain-seconds", type=float, default=drain.drain_seconds(),
+                        help="on SIGTERM, how long calls in flight may run on (default $GENSERVE_DRAIN_SECONDS or "
+                             f"{drain.DRAIN_SECONDS:.0f}); also how long a replica that scales down waits for them")
     parser.add_argument("--verbose", action="store_true", help="print the replicas' logs here")
     parser.add_argument("--text-model", metavar="PATH", default=None,
                         help="a HF checkpoint directory or a GGUF file for the text app (default: "
@@ -79,6 +96,8 @@ def load_config(args: argparse.Namespace) -> dict[str, Any]:
     config["grpc_options"]["port"] = args.grpc_port
     config["http_options"]["port"] = args.http_port
     for app in config["applications"]:
+        for deployment in app["deployments"]:
+            deployment["graceful_shutdown_timeout_s"] = args.drain_seconds
         if app["name"] == "health":
             app["args"]["port"] = args.health_port
         model_dir = getattr(args, f"{app['name']}_model", None)
@@ -95,14 +114,17 @@ def load_config(args: argparse.Namespace) -> dict[str, Any]:
     return config
 
 
-def start(args: argparse.Namespace, config: dict[str, Any]) -> None:
-    """Start a fresh local Ray (never join another stack's) and submit the config."""
+def start(args: argparse.Namespace, config: dict[str, Any]) -> Any:
+    """Start a fresh local Ray (never join another stack's), create the drain board and submit the config; returns
+    the board."""
     ray_adapter.init_local_ray(
         metrics_port=args.metrics_port, num_cpus=args.num_cpus, include_dashboard=args.dashboard,
         dashboard_port=args.dashboard_port, log_to_driver=args.verbose, namespace="genserve",
         object_store_memory=512 * 2**20,
     )
+    board = drain.create_board()
     ray_adapter.deploy_config(config)
+    return board
 
 
 def wait_ready(names: list[str], timeout: float) -> None:
@@ -125,10 +147,32 @@ def wait_ready(names: list[str], timeout: float) -> None:
     raise RuntimeError(f"not RUNNING after {timeout:.0f} s: {statuses}")
 
 
+def drain_calls(board: Any, seconds: float) -> None:
+    """Stop taking calls, wait until no replica has a call in flight or `seconds` pass; past that, the replicas end
+    their calls (CANCELLED) and report them gone."""
+    import ray
+
+    started = time.monotonic()
+    ray.get(board.start.remote(seconds))
+    print(f"genserve: draining: no new calls; calls in flight may run for {seconds:.0f} s "
+          "(Ctrl-C again to stop now)", flush=True)
+    while (pending := ray.get(board.pending.remote())) and time.monotonic() - started < seconds:
+        time.sleep(drain.POLL_S)
+    if pending:
+        print(f"genserve: drain time over: ending {pending} calls", flush=True)
+        cut_by = time.monotonic() + CUT_GRACE_S
+        while ray.get(board.pending.remote()) and time.monotonic() < cut_by:
+            time.sleep(drain.POLL_S)
+    ray.get(board.stop.remote())
+    print(f"genserve: drained in {time.monotonic() - started:.1f} s", flush=True)
+
+
 def shutdown() -> None:
     import ray
     from ray import serve
 
+    if not ray.is_initialized():  # failed before start(): serve.shutdown() would start a Ray just to stop it
+        return
     try:
         serve.shutdown()
     finally:
@@ -140,12 +184,14 @@ def config_text_model(config: dict[str, Any]) -> str:
     return (text["args"].get("model_dir") if text else None) or "the committed demo model"
 
 
-def usage(args: argparse.Namespace, config: dict[str, Any]) -> str:
+def usage(args: argparse.Namespace, config: dict[str, Any], front: tls_front.Front | None = None) -> str:
+    front = front or tls_front.Front()
     address = f"127.0.0.1:{args.grpc_port}"
-    flag = "" if args.grpc_port == GRPC_PORT else f" --address {address}"
+    flag = ("" if args.grpc_port == GRPC_PORT else f" --address {address}") + front.client_flags()
+    scheme = "https" if front.active else "http"
     return "\n".join([
         f"{READY_LINE}: gRPC on {address} (metadata application=text|gan|vae|diffusion), "
-        f"the OpenAI-compatible API on http://127.0.0.1:{args.http_port}/v1, "
+        f"the OpenAI-compatible API on {scheme}://127.0.0.1:{args.http_port}/v1, "
         f"health without metadata on 127.0.0.1:{args.health_port}, metrics on 127.0.0.1:{args.metrics_port}",
         f"  text model: {config_text_model(config)}",
         "  in another shell:",
@@ -156,10 +202,34 @@ def usage(args: argparse.Namespace, config: dict[str, Any]) -> str:
         f"    genserve{flag} diffuse \"a large blue square at the bottom right\" -o square.png",
         f"    genserve{flag} vae reconstruct square.png -o recon.png",
         f"    genserve{flag} status",
-        f"    curl http://127.0.0.1:{args.http_port}/v1/chat/completions -H 'content-type: application/json' "
+        f"    curl{front.client_flags(curl=True)} {scheme}://127.0.0.1:{args.http_port}/v1/chat/completions "
+        "-H 'content-type: application/json' "
         "-d '{\"model\": \"text\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'",
+        *([front.summary()] if front.active else []),
         "  Ctrl-C stops everything.",
     ])
+
+
+def access(args: argparse.Namespace) -> Access:
+    """The key set and peer rule the replicas will apply (they read the same environment), checked here first so a
+    bad key file stops the start-up at once. A relative key-file path is made absolute: replicas run elsewhere."""
+    if args.insecure:
+        os.environ[INSECURE_ENV] = "1"
+    if os.environ.get(KEYS_FILE_ENV):
+        os.environ[KEYS_FILE_ENV] = str(Path(os.environ[KEYS_FILE_ENV]).resolve())
+    return Access.from_env()
+
+
+def announce(rule: Access) -> None:
+    """Say who may call; --insecure without keys says it loudly, on stderr too."""
+    print(f"genserve: {rule.describe()}", flush=True)
+    if rule.digests:
+        print("  clients send `authorization: Bearer <key>`: genserve --api-key KEY (or $GENSERVE_API_KEY), the openai "
+              "SDK's api_key=, curl -H 'authorization: Bearer KEY'", flush=True)
+    if rule.insecure and not rule.digests:
+        banner = "!" * 100
+        print(f"{banner}\ngenserve: --insecure: NO API KEYS. Anyone who can reach the gRPC port (Ray binds it on "
+              f"every interface) can use every model.\n{banner}", file=sys.stderr, flush=True)
 
 
 def _raise_stop(signum: int, frame: object) -> None:
@@ -170,20 +240,32 @@ def run(args: argparse.Namespace) -> int:
     # Before the first `import ray`: Ray reads some of these once, when its constants module loads.
     for key, value in RAY_ENV.items():
         os.environ.setdefault(key, value)
-    config = load_config(args)
-    started = time.monotonic()
     try:
-        start(args, config)
+        rule = access(args)
+    except (OSError, ValueError) as exc:
+        print(f"genserve: API keys: {exc}", file=sys.stderr, flush=True)
+        return 1
+    announce(rule)
+    config = load_config(args)
+    started, board = time.monotonic(), None
+    front = tls_front.Front()
+    try:
+        front = tls_front.start(config)  # GENSERVE_TLS_*: Caddy takes the public gRPC port, Serve moves behind it
+        board = start(args, config)
         # After ray.init, which installs its own SIGTERM handler in the driver.
         signal.signal(signal.SIGINT, _raise_stop)
         signal.signal(signal.SIGTERM, _raise_stop)
         wait_ready([app["name"] for app in config["applications"]], args.timeout)
-        print(usage(args, config), flush=True)
+        print(usage(args, config, front), flush=True)
         print(f"  (ready in {time.monotonic() - started:.1f} s)", flush=True)
         while True:
             time.sleep(3600)
     except Stop as stop:
         print(f"genserve: {stop}, shutting down", flush=True)
+        try:
+            drain_calls(board, args.drain_seconds)
+        except Stop:
+            print("genserve: stopping now", flush=True)
         return 0
     except RuntimeError as exc:
         print(f"genserve: {exc}", file=sys.stderr, flush=True)
@@ -192,6 +274,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         shutdown()
+        front.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

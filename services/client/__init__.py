@@ -3,10 +3,13 @@
     from services.client import Client
     with Client("127.0.0.1:9000") as client:
         print(client.generate("The with statement", max_tokens=32).text)
+
+Over TLS: `Client(address, tls=ClientTls(ca="ca.pem"))` (plus cert= and key= for mutual TLS).
 """
 
 from .aio import AsyncClient
 from .errors import GenserveError
 from .sync import DEFAULT_ADDRESS, Client
+from .tls import ClientTls
 
-__all__ = ["DEFAULT_ADDRESS", "AsyncClient", "Client", "GenserveError"]
+__all__ = ["DEFAULT_ADDRESS", "AsyncClient", "Client", "ClientTls", "GenserveError"]

@@ -1,8 +1,10 @@
 """`genserve`: call the served models, or run the offline tools (generate, train, serve).
 
-Serving calls go to --address (default 127.0.0.1:9000, or $GENSERVE_ADDRESS); --address and --timeout go before or
-after the subcommand. Exit status 1 on a gRPC error (its code and details are printed on stderr; "no genserve server
-at ADDR" when nothing answers), 2 when a local input file is missing or unreadable.
+Serving calls go to --address (default 127.0.0.1:9000, or $GENSERVE_ADDRESS) with --api-key (default
+$GENSERVE_API_KEY; needed when the server has keys), over TLS with --tls-ca (and --tls-cert/--tls-key for mutual
+TLS); these and --timeout go before or after the subcommand. Exit status 1 on a gRPC error (its code and details are
+printed on stderr; "no genserve server at ADDR" when nothing answers), 2 when a local input file is missing or
+unreadable.
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
 from . import requests
 from .errors import GenserveError, Unavailable
 from .sync import DEFAULT_ADDRESS, Client
+from .tls import CA_ENV, CERT_ENV, KEY_ENV, ClientTls
 
 OFFLINE_TRAIN = ("text", "vae", "gan", "diffusion")
 HEALTH = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
@@ -150,7 +154,7 @@ def cmd_diffuse(client: Client, args: argparse.Namespace) -> int:
     events = client.diffuse_stream(
         args.prompt, negative_prompt=args.negative, num_images=args.num_images, steps=args.steps,
         guidance_scale=args.guidance, seed=args.seed, scheduler=args.scheduler, eta=args.eta, width=args.width,
-        height=args.height,
+        height=args.height, guidance=args.guidance_mode, negative_weight=args.negative_weight,
     )
     with tqdm(total=args.steps, unit="step", desc="denoising", file=sys.stderr) as bar:
         for event in events:
@@ -175,13 +179,28 @@ def cmd_status(client: Client, args: argparse.Namespace) -> int:
 
 
 def _common_options(defaults: bool) -> argparse.ArgumentParser:
-    """--address and --timeout; after the subcommand they default to nothing, so those before it still count."""
+    """--address, --timeout and --api-key; after the subcommand they default to nothing, so those before it still
+    count."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--address", default=DEFAULT_ADDRESS if defaults else argparse.SUPPRESS,
                         help="host:port of the gRPC proxy (default $GENSERVE_ADDRESS or 127.0.0.1:9000)")
     parser.add_argument("--timeout", type=float, default=None if defaults else argparse.SUPPRESS,
                         help="per-call deadline in seconds")
+    parser.add_argument("--api-key", default=None if defaults else argparse.SUPPRESS,
+                        help="the server's API key (default $GENSERVE_API_KEY)")
+    for flag, env, what in (("--tls-ca", CA_ENV, "connect over TLS, trusting this CA (PEM)"),
+                            ("--tls-cert", CERT_ENV, "client certificate (PEM) for a mutual-TLS server"),
+                            ("--tls-key", KEY_ENV, "the client certificate's key (PEM)")):
+        parser.add_argument(flag, metavar="FILE", default=os.environ.get(env) if defaults else argparse.SUPPRESS,
+                            help=f"{what} (default ${env})")
     return parser
+
+
+def _tls(args: argparse.Namespace) -> ClientTls | None:
+    """None (plaintext) unless a --tls-* flag or GENSERVE_TLS_CA / _CLIENT_CERT / _CLIENT_KEY is given."""
+    if not (args.tls_ca or args.tls_cert or args.tls_key):
+        return None
+    return ClientTls(args.tls_ca, args.tls_cert, args.tls_key)
 
 
 def _client_parsers(sub: argparse._SubParsersAction) -> None:
@@ -241,7 +260,10 @@ def _client_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("prompt")
     p.add_argument("--negative", default="", help="negative prompt")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--guidance", type=float, default=3.0)
+    p.add_argument("--guidance", type=float, default=3.0, help="guidance scale")
+    p.add_argument("--guidance-mode", default="", choices=("", "cfg", "perp_neg"),
+                   help="how the negative prompt steers (default: the model's; docs/protocol.md)")
+    p.add_argument("--negative-weight", type=float, help="perp_neg's negative weight (default 1)")
     p.add_argument("--seed", type=int)
     p.add_argument("--scheduler", default="", choices=("", "ddpm", "ddim", "dpmpp_2m", "euler"),
                    help="sampler (default: the model's)")
@@ -290,10 +312,17 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
-        with Client(args.address, timeout=args.timeout) as client:
+        with Client(args.address, timeout=args.timeout, api_key=args.api_key, tls=_tls(args)) as client:
             return args.func(client, args)
     except GenserveError as error:
-        if isinstance(error, Unavailable) and "failed to connect" in error.details.lower():
+        details = error.details.lower()
+        if isinstance(error, Unavailable) and ("handshake" in details or "tsi_" in details):
+            print(f"genserve: the TLS handshake with {args.address} failed (a plaintext server, a certificate that "
+                  f"--tls-ca does not trust, or a client certificate refused): {error.details}", file=sys.stderr)
+        elif isinstance(error, Unavailable) and "socket closed" in details:
+            print(f"genserve: {args.address} closed the connection: a TLS server called without --tls-ca, or a "
+                  "mutual-TLS one without --tls-cert/--tls-key?", file=sys.stderr)
+        elif isinstance(error, Unavailable) and "failed to connect" in details:
             print(f"genserve: no genserve server at {args.address} — start one with `make serve`", file=sys.stderr)
         else:
             print(f"genserve: {error.code.name}: {error.details}", file=sys.stderr)

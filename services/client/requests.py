@@ -114,10 +114,13 @@ def diffusion_request(
     preview_every: int = 0,
     width: int | None = None,
     height: int | None = None,
+    guidance: str = "",
+    negative_weight: float | None = None,
 ) -> diffusion_pb2.DiffusionRequest:
     request = diffusion_pb2.DiffusionRequest(
-        prompt=prompt, negative_prompt=negative_prompt, scheduler=scheduler, preview_every=preview_every
+        prompt=prompt, negative_prompt=negative_prompt, scheduler=scheduler, preview_every=preview_every,
+        guidance=guidance,
     )
     _set(request, num_images=num_images, steps=steps, guidance_scale=guidance_scale, seed=seed, eta=eta, width=width,
-         height=height)
+         height=height, negative_weight=negative_weight)
     return request

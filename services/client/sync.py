@@ -1,8 +1,11 @@
-"""The blocking client: one channel to the Serve gRPC proxy, the `application` metadata set per call."""
+"""The blocking client: one channel (plaintext or TLS, services/client/tls.py) to the Serve gRPC proxy, the
+`application` metadata (and the API key's `authorization: Bearer <key>`) set per call; idempotent unary calls are
+retried (services/client/retries.py)."""
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +26,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from . import requests
 from .errors import from_rpc_error
+from .retries import DEFAULT_RETRY, RetryPolicy, remaining, seeded
+from .tls import ClientTls, channel
 
 DEFAULT_ADDRESS = os.environ.get("GENSERVE_ADDRESS", "127.0.0.1:9000")
+API_KEY_ENV = "GENSERVE_API_KEY"
 # Images and latents of a full batch stay well under this.
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
@@ -49,17 +55,29 @@ class Stubs:
         )
 
 
-def metadata(application: str) -> tuple[tuple[str, str], ...]:
-    return (("application", application),)
+def metadata(application: str, api_key: str | None = None) -> tuple[tuple[str, str], ...]:
+    """The routing metadata, and the key as gRPC's conventional bearer token (docs/security.md)."""
+    key = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+    return (("application", application), *key)
+
+
+def api_key_or_env(api_key: str | None) -> str | None:
+    """The key given, else $GENSERVE_API_KEY, else None (a server without keys serves this host without one)."""
+    return api_key or os.environ.get(API_KEY_ENV) or None
 
 
 class Client:
-    """genserve over gRPC. Every method raises a services.client.errors.GenserveError subclass on failure."""
+    """genserve over gRPC. Every method raises a services.client.errors.GenserveError subclass on failure.
+    `api_key` (default $GENSERVE_API_KEY) goes with every call."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None):
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None, api_key: str | None = None,
+                 retry: RetryPolicy | None = DEFAULT_RETRY, tls: ClientTls | None = None):
+        """`tls`: connect over TLS (services.client.tls); None: plaintext."""
         self.address = address
-        self.timeout = timeout
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.timeout = timeout  # the whole call's, retries included
+        self.retry = retry
+        self._api_key = api_key_or_env(api_key)
+        self._channel = channel(address, tls, CHANNEL_OPTIONS)
         self._stubs = Stubs.on(self._channel)
 
     def close(self) -> None:
@@ -71,14 +89,21 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _unary(self, method: Any, application: str, request: Any) -> Any:
-        try:
-            return method(request, metadata=metadata(application), timeout=self.timeout)
-        except grpc.RpcError as error:
-            raise from_rpc_error(error) from None
+    def _unary(self, method: Any, application: str, request: Any, *, idempotent: bool = False) -> Any:
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        attempt = 0
+        while True:
+            try:
+                return method(request, metadata=metadata(application, self._api_key), timeout=remaining(deadline))
+            except grpc.RpcError as error:
+                wait = self.retry.delay(error, attempt, deadline) if idempotent and self.retry else None
+                if wait is None:
+                    raise from_rpc_error(error) from None
+            time.sleep(wait)
+            attempt += 1
 
     def _stream(self, method: Any, application: str, request: Any) -> Iterator[Any]:
-        call = method(request, metadata=metadata(application), timeout=self.timeout)
+        call = method(request, metadata=metadata(application, self._api_key), timeout=self.timeout)
         try:
             yield from call
         except grpc.RpcError as error:
@@ -94,28 +119,31 @@ class Client:
         return self._stream(self._stubs.text.GenerateStream, "text", requests.text_request(prompt, **options))
 
     def tokenize(self, text: str = "", *, messages: Sequence[dict[str, str]] = ()) -> text_pb2.TokenizeResponse:
-        return self._unary(self._stubs.text.Tokenize, "text", requests.tokenize_request(text, messages=messages))
+        request = requests.tokenize_request(text, messages=messages)
+        return self._unary(self._stubs.text.Tokenize, "text", request, idempotent=True)
 
     def model_info(self) -> text_pb2.ModelInfo:
-        return self._unary(self._stubs.text.GetModelInfo, "text", text_pb2.ModelInfoRequest())
+        return self._unary(self._stubs.text.GetModelInfo, "text", text_pb2.ModelInfoRequest(), idempotent=True)
 
     # gan
     def gan_sample(self, num_images: int | None = None, **options: Any) -> common_pb2.ImagesResponse:
-        return self._unary(self._stubs.gan.Sample, "gan", requests.gan_sample_request(num_images, **options))
+        request = requests.gan_sample_request(num_images, **options)
+        return self._unary(self._stubs.gan.Sample, "gan", request, idempotent=seeded(request))
 
     def gan_interpolate(self, seed_start: int, seed_end: int, **options: Any) -> common_pb2.ImagesResponse:
         request = requests.gan_interpolate_request(seed_start, seed_end, **options)
-        return self._unary(self._stubs.gan.Interpolate, "gan", request)
+        return self._unary(self._stubs.gan.Interpolate, "gan", request, idempotent=True)
 
     # vae
     def vae_encode(self, pngs: Iterable[bytes], **options: Any) -> vae_pb2.EncodeResponse:
-        return self._unary(self._stubs.vae.Encode, "vae", requests.encode_request(pngs, **options))
+        request = requests.encode_request(pngs, **options)
+        return self._unary(self._stubs.vae.Encode, "vae", request, idempotent=seeded(request))
 
     def vae_decode(self, shape: Sequence[int], values: Iterable[float]) -> common_pb2.ImagesResponse:
-        return self._unary(self._stubs.vae.Decode, "vae", requests.decode_request(shape, values))
+        return self._unary(self._stubs.vae.Decode, "vae", requests.decode_request(shape, values), idempotent=True)
 
     def vae_reconstruct(self, pngs: Iterable[bytes]) -> common_pb2.ImagesResponse:
-        return self._unary(self._stubs.vae.Reconstruct, "vae", requests.reconstruct_request(pngs))
+        return self._unary(self._stubs.vae.Reconstruct, "vae", requests.reconstruct_request(pngs), idempotent=True)
 
     # diffusion
     def diffuse(self, prompt: str, **options: Any) -> common_pb2.ImagesResponse:
@@ -129,7 +157,7 @@ class Client:
     def health(self, service: str = "", *, application: str = "health") -> int:
         """grpc.health.v1 status (SERVING = 1, NOT_SERVING = 2) of `service` as `application` answers it."""
         request = health_pb2.HealthCheckRequest(service=service)
-        return self._unary(self._stubs.health.Check, application, request).status
+        return self._unary(self._stubs.health.Check, application, request, idempotent=True).status
 
     def status(self) -> common_pb2.StatusResponse:
-        return self._unary(self._stubs.status.GetStatus, "health", common_pb2.StatusRequest())
+        return self._unary(self._stubs.status.GetStatus, "health", common_pb2.StatusRequest(), idempotent=True)

@@ -3,8 +3,8 @@
 Every app takes `model_dir` (a checkpoint directory; when empty, the env var GENSERVE_<SVC>_MODEL, and when that is
 unset too, the model's committed demo weights; the `vae` app first falls back to the `vae/` of a Stable Diffusion
 folder that GENSERVE_DIFFUSION_MODEL names, so the two apps serve one pipeline); an app with settings of its own
-extends `AppArgs` (the text app: services/text/settings.py). Unknown or invalid args fail the deploy with the
-field named.
+extends `AppArgs` (the text app: services/text/settings.py). Every app also takes `rate_limits`
+(services/common/rate_limit.py, off by default). Unknown or invalid args fail the deploy with the field named.
 """
 
 from __future__ import annotations
@@ -17,11 +17,14 @@ from pydantic import BaseModel, ConfigDict
 from ray import serve
 from ray.serve.deployment import Application, Deployment
 
+from .rate_limit import RateLimits
+
 
 class AppArgs(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model_dir: str | None = None
+    rate_limits: RateLimits = RateLimits()  # per caller and replica (services/common/rate_limit.py); default off
 
 
 def model_dir_env(service: str) -> str:
@@ -46,12 +49,9 @@ def resolve_model_dir(service: str, configured: str | None) -> str | None:
 
 def build_app(service: str, deployment: Deployment, args: dict[str, Any] | None,
               args_model: type[AppArgs] = AppArgs) -> Application:
-    """Bind `deployment` to its model directory, and to its validated settings when `args_model` has more."""
+    """Bind `deployment` to its model directory and its validated settings (rate limits, and the app's own)."""
     parsed = args_model.model_validate(args or {})
-    model_dir = resolve_model_dir(service, parsed.model_dir)
-    if args_model is AppArgs:
-        return deployment.bind(model_dir)
-    return deployment.bind(model_dir, parsed)
+    return deployment.bind(resolve_model_dir(service, parsed.model_dir), parsed)
 
 
 def handle_to(app_name: str) -> Any:

@@ -6,7 +6,8 @@
 
 Each app gets its own autoscaling_config and max_ongoing_requests / max_queued_requests: past
 max_ongoing_requests per replica, requests wait in the proxy's queue; past max_queued_requests the proxy answers
-RESOURCE_EXHAUSTED at once instead of letting clients time out.
+RESOURCE_EXHAUSTED at once instead of letting clients time out. Every deployment drains as `make serve` does
+(services/common/drain.py): a replica that stops lets its calls run for up to DRAIN_SECONDS.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+from .drain import DRAIN_SECONDS, SHUTDOWN_WAIT_LOOP_S
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL_PATH = ROOT / "deploy" / "serve_config.local.yaml"
@@ -93,6 +96,7 @@ GPU_APPS = (
     AppSpec("http", "OpenAIApi", 1, 0, 1, 4, 64, 1024, 1024, route_prefix="/", loads_model=False),
 )
 HEALTH_NUM_CPUS = 0.01
+HEALTH_MAX_ONGOING = 64
 
 
 def _autoscaling(spec: AppSpec) -> dict[str, Any]:
@@ -105,6 +109,10 @@ def _autoscaling(spec: AppSpec) -> dict[str, Any]:
         "metrics_interval_s": 1.0,
         "look_back_period_s": 2.0,
     }
+
+
+def _graceful_shutdown() -> dict[str, float]:
+    return {"graceful_shutdown_timeout_s": DRAIN_SECONDS, "graceful_shutdown_wait_loop_s": SHUTDOWN_WAIT_LOOP_S}
 
 
 def _app(spec: AppSpec, model_dir: str | None) -> dict[str, Any]:
@@ -122,6 +130,7 @@ def _app(spec: AppSpec, model_dir: str | None) -> dict[str, Any]:
                 "max_ongoing_requests": spec.max_ongoing_requests,
                 "max_queued_requests": spec.max_queued_requests,
                 "autoscaling_config": _autoscaling(spec),
+                **_graceful_shutdown(),
                 "ray_actor_options": actor_options,
             }
         ],
@@ -138,6 +147,9 @@ def _health_app(host: str, port: int) -> dict[str, Any]:
             {
                 "name": "HealthGateway",
                 "num_replicas": 1,
+                # Watch streams stay open; past Serve's default of 5 they would queue the probes' Checks.
+                "max_ongoing_requests": HEALTH_MAX_ONGOING,
+                **_graceful_shutdown(),
                 "ray_actor_options": {"num_cpus": HEALTH_NUM_CPUS, "resources": {HEAD_NODE_RESOURCE: 0.001}},
             }
         ],

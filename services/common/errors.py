@@ -5,6 +5,10 @@ A handler never builds a status by hand: it raises (or lets the model raise) and
 - a service's own errors, passed in `known` with their code (e.g. the text engine's EngineOverloaded ->
   RESOURCE_EXHAUSTED, the diffusion pipeline's GenerationCancelled -> CANCELLED);
 - `NotFound` -> NOT_FOUND; `Unimplemented` -> UNIMPLEMENTED; `TimeoutError` -> DEADLINE_EXCEEDED;
+- `Unauthenticated` (no or a wrong API key, services/common/auth.py) -> UNAUTHENTICATED;
+- `RateLimited` (a caller's bucket is empty, services/common/rate_limit.py) -> RESOURCE_EXHAUSTED;
+- `Unavailable` (the stack is draining) -> UNAVAILABLE; `Cancelled` (the drain time ran out) -> CANCELLED, each with
+  its message;
 - `asyncio.CancelledError` (the client went away) -> CANCELLED;
 - anything else -> INTERNAL with a short message and the request id: never a traceback or a file path.
 """
@@ -41,6 +45,30 @@ class NotFound(LookupError):
 
 class Unimplemented(LookupError):
     """The call reached an application that does not serve this RPC (wrong `application` metadata)."""
+
+
+class Unauthenticated(PermissionError):
+    """The call carries no valid API key (or comes from another host while no keys are configured)."""
+
+
+class RateLimited(Exception):
+    """The caller's token bucket for `what` (requests, tokens, images) is empty; it refills in `retry_after_s`."""
+
+    def __init__(self, what: str, retry_after_s: int):
+        super().__init__(f"rate limit of {what} reached for this caller; retry in {retry_after_s} s")
+        self.what = what
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.what, self.retry_after_s)
+
+
+class Unavailable(RuntimeError):
+    """The server takes no new calls now (it is draining); the client may retry, here later or elsewhere."""
+
+
+class Cancelled(RuntimeError):
+    """The server ended a call it had admitted (the drain time ran out), as opposed to the client going away."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +113,14 @@ def to_status(
         return Status(grpc.StatusCode.UNIMPLEMENTED, _clip(str(exc)))
     if isinstance(exc, NotFound):
         return Status(grpc.StatusCode.NOT_FOUND, _clip(str(exc)))
+    if isinstance(exc, Unauthenticated):
+        return Status(grpc.StatusCode.UNAUTHENTICATED, _clip(str(exc)))
+    if isinstance(exc, RateLimited):
+        return Status(grpc.StatusCode.RESOURCE_EXHAUSTED, _clip(str(exc)))
+    if isinstance(exc, Unavailable):
+        return Status(grpc.StatusCode.UNAVAILABLE, _clip(str(exc)))
+    if isinstance(exc, Cancelled):
+        return Status(grpc.StatusCode.CANCELLED, _clip(str(exc)))
     if isinstance(exc, TimeoutError):
         return Status(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
     if isinstance(exc, asyncio.CancelledError):

@@ -1,8 +1,9 @@
-"""The `health` application: serves grpc.health.v1.Health/Check on a port of its own for clients without metadata.
+"""The `health` application: serves grpc.health.v1.Health (Check, Watch) on a port of its own for clients without
+metadata.
 
 Kubernetes gRPC probes cannot send the `application` metadata the Serve proxy routes by, so this one-replica
 deployment runs a plain gRPC server on GENSERVE_HEALTH_PORT (default 9001). Through the proxy on 9000 with
-`application: health` it answers Check for all four services, and genserve.v1.ServeStatus/GetStatus (the apps,
+`application: health` it answers Check and Watch for all four services, and genserve.v1.ServeStatus/GetStatus (the apps,
 their replicas and state; what `genserve status` prints).
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from genserve.v1 import common_pb2
@@ -18,9 +20,11 @@ from pydantic import BaseModel, ConfigDict
 from ray import serve
 from ray.serve.deployment import Application
 
-from .health import ServeStatusCache, start_health_server, status_of
+from . import drain
+from .gate import Gate
+from .health import NOT_SERVING, ServeStatusCache, start_health_server, status_of, watch_status
 from .metrics import ServiceMetrics
-from .rpc import unary, unknown_rpcs
+from .rpc import streaming, unary, unknown_rpcs
 
 DEFAULT_HEALTH_PORT = 9001
 
@@ -37,13 +41,25 @@ class HealthGateway:
     __getattr__ = unknown_rpcs
     def __init__(self, host: str, port: int):
         self.metrics = ServiceMetrics("health")
+        self.gate = Gate.from_env()  # Check stays open; GetStatus takes a key like any call
         self._cache = ServeStatusCache()
         self._server = start_health_server(host, port, self._cache)
 
     @unary(health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse)
     async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
         running = await asyncio.to_thread(self._cache.running)
-        return health_pb2.HealthCheckResponse(status=status_of(request.service, running))
+        status = status_of(request.service, running)
+        draining = drain.watch().current().draining
+        return health_pb2.HealthCheckResponse(status=NOT_SERVING if draining else status)
+
+    @streaming(health_pb2.HealthCheckRequest)
+    async def Watch(self, request: health_pb2.HealthCheckRequest) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        async def status() -> Callable[[], int]:
+            running = await asyncio.to_thread(self._cache.running)
+            return lambda: status_of(request.service, running)
+
+        async for reply in watch_status(status):
+            yield reply
 
     @unary(common_pb2.StatusRequest, common_pb2.StatusResponse)
     async def GetStatus(self, request: common_pb2.StatusRequest) -> common_pb2.StatusResponse:

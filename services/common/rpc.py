@@ -4,7 +4,10 @@ A deployment method named after its RPC is decorated with `unary(RequestType, Re
 `streaming(RequestType)`. The wrapped method only validates, calls the model and builds the reply; whatever it
 raises is turned into a status by services/common/errors.py and set on Ray Serve's `grpc_context`, so no
 traceback ever reaches the client.
-The deployment provides `self.metrics` (a ServiceMetrics) and may provide `known_errors` (see errors.to_status).
+The deployment provides `self.metrics` (a ServiceMetrics), `self.gate` (a services.common.gate.Gate: API keys, the
+peer rule and rate limits, checked first) and may provide `known_errors` (see errors.to_status).
+While the stack drains (services/common/drain.py), `_admit` refuses new calls from clients with UNAVAILABLE and
+`_in_flight` counts the calls that run, so that the drain can wait for them and, past its deadline, cut them short.
 """
 
 from __future__ import annotations
@@ -18,12 +21,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from genserve.v1 import common_pb2
 from google.protobuf.message import Message
+from grpc_health.v1 import health_pb2
 
-from .errors import Status, Unimplemented, to_status
+from . import drain
+from .errors import Status, Unavailable, Unimplemented, to_status
 from .ray_adapter import serve_request_id
 
 logger = logging.getLogger("ray.serve")
+# Operator probes: answered while draining (health says NOT_SERVING) and never counted as work in flight.
+PROBES = (health_pb2.HealthCheckRequest, common_pb2.StatusRequest)
 
 
 class StatusSet(Exception):
@@ -56,6 +64,18 @@ def _check_request_type(name: str, owner: Any, request: Any, expected: type[Mess
         )
 
 
+def _admit(request: Message, grpc_context: Any) -> None:
+    """While draining, a client's new call gets UNAVAILABLE. Deployment-handle calls (no grpc_context) are work of a
+    call already admitted (diffusion -> vae, the HTTP API -> text) and pass, as do health probes."""
+    if grpc_context is not None and not isinstance(request, PROBES) and drain.watch().current().draining:
+        raise Unavailable(drain.DRAINING_MESSAGE)
+
+
+def _in_flight(request: Message) -> contextlib.AbstractContextManager:
+    """The call counted as in flight for the drain, which ends it with CANCELLED past the drain's deadline."""
+    return contextlib.nullcontext() if isinstance(request, PROBES) else drain.watch().call()
+
+
 def unknown_rpcs(self: Any, name: str) -> Callable:
     """`__getattr__` for deployments: an RPC the application does not have (wrong `application` metadata) answers
     UNIMPLEMENTED instead of Ray Serve's INTERNAL with a traceback. Only RPC-style names (capitalised) are
@@ -84,8 +104,13 @@ def unary(request_type: type[Message], response_type: type[Message]) -> Callable
             start, code, request_id = time.perf_counter(), "OK", request_id_of(grpc_context)
             self.metrics.request_started()
             try:
+                ticket = self.gate.admit_grpc(request, grpc_context)
                 _check_request_type(fn.__name__, self, request, request_type)
-                return await fn(self, request)
+                _admit(request, grpc_context)
+                with _in_flight(request):
+                    reply = await fn(self, request)
+                ticket.charge(reply)
+                return reply
             except asyncio.CancelledError:
                 code = "CANCELLED"
                 raise
@@ -115,10 +140,14 @@ def streaming(request_type: type[Message]) -> Callable:
             start, code, request_id = time.perf_counter(), "OK", request_id_of(grpc_context)
             self.metrics.request_started()
             try:
+                ticket = self.gate.admit_grpc(request, grpc_context)
                 _check_request_type(fn.__name__, self, request, request_type)
-                async with contextlib.aclosing(fn(self, request)) as messages:
-                    async for message in messages:
-                        yield message
+                _admit(request, grpc_context)
+                with _in_flight(request):
+                    async with contextlib.aclosing(fn(self, request)) as messages:
+                        async for message in messages:
+                            ticket.charge(message)
+                            yield message
             except (asyncio.CancelledError, GeneratorExit):
                 code = "CANCELLED"
                 raise

@@ -25,9 +25,10 @@ from ray.serve.deployment import Application
 from ray.serve.exceptions import BackPressureError
 
 from services.common import health
-from services.common.builder import build_app, handle_to
+from services.common.builder import AppArgs, build_app, handle_to
 from services.common.device import serving_device
 from services.common.errors import InvalidArgument
+from services.common.gate import Gate
 from services.common.images import image_messages, tensor_message
 from services.common.metrics import ServiceMetrics
 from services.common.rpc import streaming, unary, unknown_rpcs
@@ -35,7 +36,9 @@ from services.common.validation import MAX_SEED, Request, parse, resolve_seed
 from services.diffusion.pipeline import (
     DEFAULT_GUIDANCE_SCALE,
     DEFAULT_STEPS,
+    GUIDANCE_MODES,
     MAX_GUIDANCE_SCALE,
+    MAX_NEGATIVE_WEIGHT,
     MAX_PROMPT_CHARS,
     MAX_STEPS,
     SCHEDULERS,
@@ -61,6 +64,15 @@ class DiffusionIn(Request):
     preview_every: int = Field(0, ge=0, le=MAX_STEPS)
     width: int | None = Field(None, ge=1)
     height: int | None = Field(None, ge=1)
+    guidance: str = ""
+    negative_weight: float | None = Field(None, ge=0, le=MAX_NEGATIVE_WEIGHT, allow_inf_nan=False)
+
+    @field_validator("guidance")
+    @classmethod
+    def _known_guidance(cls, name: str) -> str:
+        if name and name not in GUIDANCE_MODES:
+            raise ValueError(f"unknown guidance mode {name!r}; one of {', '.join(GUIDANCE_MODES)}")
+        return name
 
     @field_validator("scheduler")
     @classmethod
@@ -85,8 +97,9 @@ class Diffusion:
         BackPressureError: (grpc.StatusCode.RESOURCE_EXHAUSTED, None),
     }
 
-    def __init__(self, model_dir: str | None):
+    def __init__(self, model_dir: str | None, settings: AppArgs | None = None):
         self.metrics = ServiceMetrics("diffusion")
+        self.gate = Gate.from_env((settings or AppArgs()).rate_limits)
         self.pipe = DiffusionPipeline.from_dir(model_dir, device=serving_device())
         self._vae = None
         self._status = health.ServeStatusCache()
@@ -124,6 +137,7 @@ class Diffusion:
                         [req.prompt] * req.num_images, [req.negative_prompt] * req.num_images, steps=req.steps,
                         guidance_scale=req.guidance_scale, seed=seed, scheduler=req.scheduler or None, eta=req.eta,
                         height=height, width=width, on_step=on_step, should_cancel=cancel.is_set,
+                        guidance=req.guidance or None, negative_weight=req.negative_weight,
                     )
             finally:
                 loop.call_soon_threadsafe(queue.put_nowait, _DONE)

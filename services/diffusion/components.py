@@ -11,6 +11,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from services.diffusion.guidance import DEFAULT_NEGATIVE_WEIGHT
 from services.diffusion.schedulers.schedule import NoiseScheduleConfig
 from shared.blocks.unet import UNet
 
@@ -34,6 +35,10 @@ class DiffusionComponents:
     # "demo": w = 1 runs the conditional half only, w = 0 the unconditional; "diffusers": guidance only for w > 1,
     # as StableDiffusionPipeline does (its do_classifier_free_guidance).
     guidance: Literal["demo", "diffusers"] = "demo"
+    # The guidance mode (services/diffusion/guidance.py) a request without one gets; "cfg" is diffusers' own.
+    default_guidance: Literal["cfg", "perp_neg"] = "cfg"
+    # Perp-Neg's w_n when a request sets none (1 is the paper's; the demo model's is measured, docs/models.md).
+    default_negative_weight: float = DEFAULT_NEGATIVE_WEIGHT
     # un-scaled latents (N, C, h, w) -> a coarse (N, 3, h, w) RGB image; None when the model has none
     preview: nn.Module | None = None
 

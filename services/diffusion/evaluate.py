@@ -28,12 +28,16 @@ def heldout_prompts(n: int, seed: int = 0) -> tuple[list[str], list[dict[str, st
 
 @torch.inference_mode()
 def generate_images(pipe: DiffusionPipeline, vae: VAE, prompts: list[str], *, steps: int, guidance_scale: float,
-                    seed: int, scheduler: str) -> torch.Tensor:
-    """Images (N, 3, 32, 32) in [-1, 1] for ``prompts``, batch i seeded with ``seed + i``."""
+                    seed: int, scheduler: str, negative_prompts: list[str] | None = None,
+                    guidance: str | None = None, negative_weight: float | None = None) -> torch.Tensor:
+    """Images (N, 3, 32, 32) in [-1, 1] for ``prompts``, batch i seeded with ``seed + i`` (so the same prompts get
+    the same initial noise whatever the negatives and the guidance mode)."""
     images = []
     for i in range(0, len(prompts), MAX_BATCH):
-        latents = pipe.generate(prompts[i : i + MAX_BATCH], steps=steps, guidance_scale=guidance_scale,
-                                seed=seed + i // MAX_BATCH, scheduler=scheduler)
+        negatives = None if negative_prompts is None else negative_prompts[i : i + MAX_BATCH]
+        latents = pipe.generate(prompts[i : i + MAX_BATCH], negatives, steps=steps, guidance_scale=guidance_scale,
+                                seed=seed + i // MAX_BATCH, scheduler=scheduler, guidance=guidance,
+                                negative_weight=negative_weight)
         images.append(vae.decode(latents.to(next(vae.parameters()).device)).clamp(-1, 1).cpu())
     return torch.cat(images)
 

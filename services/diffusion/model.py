@@ -21,6 +21,10 @@ from shared.checkpoint import load_weights, read_extra, save_checkpoint
 DEFAULT_WEIGHTS = Path(__file__).parent / "weights"
 # The demo VAE (services/vae) maps 32×32 images to 8×8 latents: 4 pixels per latent cell on each side.
 DEMO_VAE_SCALE_FACTOR = 4
+# Perp-Neg keeps the prompt's colour, shape and position when a negative prompt is given, where CFG's (prompt −
+# negative) extrapolates away from them (docs/models.md, "Negative prompts").
+DEMO_DEFAULT_GUIDANCE = "perp_neg"
+DEMO_NEGATIVE_WEIGHT = 0.5
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,8 @@ class LatentDiffusion(nn.Module):
             unet=self.unet, text_encoder=self.text_encoder, tokenizer=self.tokenizer(),
             schedule=lambda name: self.config.schedule, latent_channels=c, native_size=(h * f, w * f),
             vae_scale_factor=f, scaling_factor=self.config.scaling_factor, max_pixels=h * f * w * f,
-            preview=self.preview)
+            default_guidance=DEMO_DEFAULT_GUIDANCE,
+            default_negative_weight=DEMO_NEGATIVE_WEIGHT, preview=self.preview)
 
 
 def save_diffusion(directory: str | Path, model: LatentDiffusion, extra: dict | None = None) -> Path:

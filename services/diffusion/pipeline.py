@@ -1,4 +1,4 @@
-"""Text → VAE latents: tokenize, encode the prompts, then run a sampler with classifier-free guidance.
+"""Text → VAE latents: tokenize, encode the prompts, then run a sampler with guidance (services/diffusion/guidance.py).
 
 This is the interface the diffusion service codes against. It returns latents in the VAE's own (un-scaled) space,
 ready for ``vae.decode``; the service decodes them through the ``vae`` application. ``preview`` gives a cheap
@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from services.diffusion.components import DiffusionComponents
+from services.diffusion.guidance import DEFAULT_NEGATIVE_WEIGHT, GUIDANCE_MODES, cfg, perp_neg
 from services.diffusion.model import LatentDiffusion, load_diffusion
 from services.diffusion.schedulers import SCHEDULERS, make_scheduler
 from services.diffusion.sd_folder import is_diffusers_pipeline, load_sd_components
@@ -26,11 +27,13 @@ MAX_STEPS = 200
 MAX_BATCH = 16
 MAX_GUIDANCE_SCALE = 20.0
 MAX_PROMPT_CHARS = 200
+MAX_NEGATIVE_WEIGHT = 10.0
 DEFAULT_STEPS = 20
 DEFAULT_GUIDANCE_SCALE = 3.0
 
-__all__ = ["DEFAULT_GUIDANCE_SCALE", "DEFAULT_STEPS", "MAX_BATCH", "MAX_GUIDANCE_SCALE", "MAX_PROMPT_CHARS",
-           "MAX_STEPS", "SCHEDULERS", "GenerationCancelled", "DiffusionPipeline"]
+__all__ = ["DEFAULT_GUIDANCE_SCALE", "DEFAULT_NEGATIVE_WEIGHT", "DEFAULT_STEPS", "GUIDANCE_MODES", "MAX_BATCH",
+           "MAX_GUIDANCE_SCALE", "MAX_NEGATIVE_WEIGHT", "MAX_PROMPT_CHARS", "MAX_STEPS", "SCHEDULERS",
+           "GenerationCancelled", "DiffusionPipeline"]
 
 
 class GenerationCancelled(Exception):
@@ -78,7 +81,7 @@ class DiffusionPipeline:
         return None
 
     def _validate(self, prompts: list[str], negative_prompts: list[str] | None, steps: int, guidance_scale: float,
-                  scheduler: str, eta: float, size: tuple[int, int]) -> None:
+                  scheduler: str, eta: float, size: tuple[int, int], guidance: str, negative_weight: float) -> None:
         if not 1 <= len(prompts) <= MAX_BATCH:
             raise ValueError(f"prompts must hold 1 to {MAX_BATCH} prompts, got {len(prompts)}")
         if negative_prompts is not None and len(negative_prompts) != len(prompts):
@@ -91,6 +94,10 @@ class DiffusionPipeline:
             raise ValueError(f"steps must be in [1, {MAX_STEPS}], got {steps}")
         if not 0.0 <= guidance_scale <= MAX_GUIDANCE_SCALE:
             raise ValueError(f"guidance_scale must be in [0, {MAX_GUIDANCE_SCALE}], got {guidance_scale}")
+        if guidance not in GUIDANCE_MODES:
+            raise ValueError(f"guidance must be one of {GUIDANCE_MODES}, got {guidance!r}")
+        if not 0.0 <= negative_weight <= MAX_NEGATIVE_WEIGHT:
+            raise ValueError(f"negative_weight must be in [0, {MAX_NEGATIVE_WEIGHT}], got {negative_weight}")
         if scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
         if not 0.0 <= eta <= 1.0:
@@ -104,19 +111,40 @@ class DiffusionPipeline:
         return self.model.text_encoder(self.tokenizer(prompts).to(self.device))
 
     def guided_output(self, latents: torch.Tensor, t: torch.Tensor, context: torch.Tensor | ContextCache,
-                      guidance_scale: float, temb: torch.Tensor | None = None) -> torch.Tensor:
-        """Classifier-free guidance (Ho & Salimans 2022): out_u + w (out_c − out_u), with the conditional and the
-        unconditional (negative-prompt) halves of ``context`` (2N, T, D) in ONE U-Net batch. Without guidance
-        (``model.uses_guidance(w)`` false) only the conditional half runs. A `ContextCache` holds exactly the
-        contexts the U-Net reads: 2N of them, or only the N conditional ones. ``temb`` (1, temb_dim) is t's time
-        embedding when the caller computed it beforehand."""
+                      guidance_scale: float, temb: torch.Tensor | None = None, guidance: str = "cfg",
+                      negative_weight: float = DEFAULT_NEGATIVE_WEIGHT) -> torch.Tensor:
+        """One guided prediction for N latents, every pass in ONE U-Net batch.
+
+        ``context`` (kN, T, D) stacks the prompts, then the unconditional input, then (``perp_neg`` with negative
+        prompts only) the negatives: k = 2 runs classifier-free guidance with the second block as out_u (the
+        negative prompt under ``cfg``, the empty caption under ``perp_neg``), k = 3 runs Perp-Neg with the empty
+        caption as out_u (services/diffusion/guidance.py). Without guidance (``model.uses_guidance(w)`` false) only
+        the prompts run. A `ContextCache` holds exactly the contexts the U-Net reads: kN of them, or only the N
+        prompts. ``temb`` (1, temb_dim) is t's time embedding when the caller computed it beforehand."""
         n = latents.shape[0]
         if not self.model.uses_guidance(guidance_scale):
             return self.model.unet(latents, t.expand(n), context if isinstance(context, ContextCache) else context[:n],
                                    temb=temb)
-        out = self.model.unet(torch.cat([latents, latents]), t.expand(2 * n), context, temb=temb)  # (2N, C, h, w)
-        cond, uncond = out.chunk(2)
-        return uncond + guidance_scale * (cond - uncond)
+        passes = (context.context if isinstance(context, ContextCache) else context).shape[0] // n
+        out = self.model.unet(torch.cat([latents] * passes), t.expand(passes * n), context, temb=temb)  # (kN, C, h, w)
+        if passes == 2:
+            cond, uncond = out.chunk(2)
+            return cfg(uncond, cond, guidance_scale)
+        if guidance != "perp_neg" or passes != 3:
+            raise ValueError(f"context must hold 2N rows, or 3N under perp_neg; got {passes}N with {guidance!r}")
+        cond, uncond, negative = out.chunk(3)
+        return perp_neg(uncond, cond, negative, guidance_scale, negative_weight)
+
+    def _guidance_texts(self, n: int, negative_prompts: list[str] | None, guidance: str,
+                        guidance_scale: float) -> list[str]:
+        """The texts after the N prompts: none without guidance; the negatives (or empty captions) under ``cfg``;
+        the empty captions, then the negatives when any is non-empty, under ``perp_neg``."""
+        if not self.model.uses_guidance(guidance_scale):
+            return []
+        negatives = list(negative_prompts) if negative_prompts is not None else [""] * n
+        if guidance == "cfg":
+            return negatives
+        return [""] * n + (negatives if any(negatives) else [])
 
     @torch.inference_mode()
     def generate(
@@ -133,24 +161,31 @@ class DiffusionPipeline:
         width: int | None = None,
         on_step: Callable[[int, int, torch.Tensor], None] | None = None,
         should_cancel: Callable[[], bool] | None = None,
+        guidance: str | None = None,
+        negative_weight: float | None = None,
     ) -> torch.Tensor:
         """Latents (N, C, h, w) in the VAE's un-scaled space for N prompts, on the pipeline's device.
 
-        The negative prompt replaces the empty caption as the unconditional input. ``seed`` fixes the initial
-        noise and any sampler noise (same seed, same prompts, same settings: same latents). ``scheduler`` None is
-        the model's default; ``height``/``width`` None the native size. ``on_step(step, total, latents)`` runs
-        after every step with ``step`` counting from 1; ``should_cancel()`` is checked before every step and raises
+        ``guidance`` None is the model's default (``model.default_guidance``), ``negative_weight`` None too. Under
+        ``cfg`` the negative prompt replaces the empty caption as the unconditional input; under ``perp_neg`` a
+        non-empty negative adds a third pass, weighted by ``negative_weight``, and the empty caption stays the
+        unconditional input. ``seed`` fixes the initial noise and any sampler noise (same seed, same prompts, same
+        settings: same latents). ``scheduler`` None is the model's default; ``height``/``width`` None the native
+        size. ``on_step(step, total, latents)`` runs after every step with ``step`` counting from 1;
+        ``should_cancel()`` is checked before every step and raises
         ``GenerationCancelled``.
         """
         scheduler = scheduler or self.model.default_scheduler
+        guidance = guidance or self.model.default_guidance
+        negative_weight = self.model.default_negative_weight if negative_weight is None else negative_weight
         native_h, native_w = self.model.native_size
         size = (native_h if height is None else height, native_w if width is None else width)
-        self._validate(prompts, negative_prompts, steps, guidance_scale, scheduler, eta, size)
+        self._validate(prompts, negative_prompts, steps, guidance_scale, scheduler, eta, size, guidance,
+                       negative_weight)
         n = len(prompts)
-        guided = self.model.uses_guidance(guidance_scale)
-        uncond = negative_prompts if negative_prompts is not None else [""] * n
+        texts = list(prompts) + self._guidance_texts(n, negative_prompts, guidance, guidance_scale)
         # Every step reads the same text: each cross-attention projects it to keys and values once, not per step.
-        cache = ContextCache(self.encode_prompts(list(prompts) + (list(uncond) if guided else [])))  # (2N or N, T, D)
+        cache = ContextCache(self.encode_prompts(texts))  # (kN, T, D), k = 1, 2 or 3
         generator = torch.Generator().manual_seed(seed if seed is not None else int(torch.seed() % 2**63))
         sampler = make_scheduler(scheduler, self.model.schedule(scheduler), eta=eta)
         timesteps = sampler.set_timesteps(steps)
@@ -165,7 +200,8 @@ class DiffusionPipeline:
             if should_cancel is not None and should_cancel():
                 raise GenerationCancelled(f"cancelled before step {i + 1} of {steps}")
             model_input = sampler.scale_model_input(latents, i)
-            out = self.guided_output(model_input, timesteps[i], cache, guidance_scale, tembs[i : i + 1])
+            out = self.guided_output(model_input, timesteps[i], cache, guidance_scale, tembs[i : i + 1], guidance,
+                                     negative_weight)
             latents = sampler.step(out, i, latents, generator=generator)
             if on_step is not None:
                 on_step(i + 1, steps, latents / scale)

@@ -21,6 +21,7 @@ from services.common import health
 from services.common.batcher import BatchArgs, Batcher
 from services.common.builder import build_app
 from services.common.device import serving_device
+from services.common.gate import Gate
 from services.common.images import images_response
 from services.common.metrics import ServiceMetrics
 from services.common.rpc import unary, unknown_rpcs
@@ -54,6 +55,7 @@ class ImageGan:
 
     def __init__(self, model_dir: str | None, args: BatchArgs):
         self.metrics = ServiceMetrics("gan")
+        self.gate = Gate.from_env(args.rate_limits)
         self.generator = load_generator(model_dir, device=serving_device())
         self.z_dim = self.generator.config.z_dim
         self.batcher = Batcher(self._generate_batch, len, args.max_batch_images, args.batch_wait_s,

@@ -6,6 +6,10 @@
     POST /v1/images/generations     text-to-image, PNGs as b64_json
     GET  /openapi.json              the schema of all of these (what schemathesis fuzzes)
 
+Every route first admits its caller (services/common/gate.py): the `authorization: Bearer <key>` header (what the
+openai SDK sends for api_key=), the peer rule without keys, and the rate limits of this app's `rate_limits` arg;
+401 and 429 (with Retry-After) are OpenAI error objects like the rest. /openapi.json stays open.
+
 It loads no model: it reaches the `text` and `diffusion` applications through deployment handles with the same
 protobuf requests a gRPC client sends, so validation and limits are theirs, and the latents still go through `vae`.
 A client that disconnects cancels its handle calls: the text engine aborts the request (its KV blocks are freed)
@@ -25,18 +29,21 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from genserve.v1 import text_pb2
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 from ray import serve
 from ray.serve.deployment import Application
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.common import drain
 from services.common.builder import handle_to
-from services.common.errors import field_path
+from services.common.errors import RateLimited, Unauthenticated, field_path
+from services.common.gate import Gate, Ticket
+from services.common.rate_limit import RateLimits
 from services.common.ray_adapter import serve_request_id
 from services.diffusion.app import Diffusion
 from services.http import images, text
-from services.http.errors import ModelNotFound, describe, error_body, error_response, to_error
+from services.http.errors import ModelNotFound, describe, error_body, error_response, refusal, to_error
 from services.http.schemas import MAX_BODY_BYTES, ChatBody, CompletionBody, ImageBody
 from services.http.streams import merge
 from services.text.app import TextGeneration
@@ -46,6 +53,14 @@ TEXT_MODEL, IMAGE_MODEL = "text", "diffusion"
 UNION_TAGS = {"str", "int", "float", "bool", "list", "dict"}
 TEXT_ERRORS = TextGeneration.func_or_class.known_errors
 IMAGE_ERRORS = Diffusion.func_or_class.known_errors
+
+
+class HttpArgs(BaseModel):
+    """The http app's serve-config `args`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rate_limits: RateLimits = RateLimits()  # per caller and replica; tokens and images are both counted here
 
 
 class ErrorObject(BaseModel):
@@ -62,7 +77,9 @@ class ErrorBody(BaseModel):
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody, "description": what}
     for status, what in ((400, "a field is wrong (`param` names it)"), (404, "unknown model"),
-                         (413, "body too large"), (429, "overloaded; see Retry-After"), (500, "internal error"))
+                         (401, "no or a wrong API key"), (413, "body too large"),
+                         (429, "overloaded or rate-limited; see Retry-After"), (500, "internal error"),
+                         (503, "the server is draining (shutting down)"))
 }
 
 
@@ -100,10 +117,24 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
+class DrainGate:
+    """503 for every new request while the stack drains (services/common/drain.py); responses already streaming run
+    on, their calls counted by the replicas behind them."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and drain.watch().current().draining:
+            return await error_response(503, drain.DRAINING_MESSAGE, code="draining")(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 api = FastAPI(title="genserve OpenAI-compatible API", version="1",
               description="Completions, chat and image generation on the genserve stack (docs/protocol.md).",
               docs_url=None, redoc_url=None)
 api.add_middleware(BodyLimit)
+api.add_middleware(DrainGate)
 
 
 def _request_id() -> str:
@@ -127,6 +158,12 @@ async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONRe
     return error_response(400, f"{path}: {message}" if path else message, path, code=first.get("type"))
 
 
+@api.exception_handler(Unauthenticated)
+@api.exception_handler(RateLimited)
+async def _refused(request: Request, exc: Unauthenticated | RateLimited) -> JSONResponse:
+    return refusal(exc)
+
+
 @api.exception_handler(HTTPException)
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     code = "unknown_url" if exc.status_code == 404 else None
@@ -140,7 +177,8 @@ def _model_entry(model_id: str, created: int, root: str) -> dict[str, Any]:
 @serve.deployment(name="OpenAIApi")
 @serve.ingress(api)
 class OpenAIApi:
-    def __init__(self) -> None:
+    def __init__(self, settings: HttpArgs | None = None) -> None:
+        self.gate = Gate.from_env((settings or HttpArgs()).rate_limits)
         self.created = int(time.time())
         self._handles: dict[str, Any] = {}
         self._image_size: tuple[int, int] | None = None
@@ -149,6 +187,10 @@ class OpenAIApi:
         if app not in self._handles:
             self._handles[app] = handle_to(app)
         return self._handles[app]
+
+    def _admit(self, request: Request) -> Ticket:
+        """The caller's ticket; Unauthenticated / RateLimited become 401 / 429 through `_refused`."""
+        return self.gate.admit(request.headers.get("authorization"), request.client.host if request.client else None)
 
     async def _respond(self, work: Awaitable[Response], fields: Mapping[str, str], known: Mapping) -> Response:
         """`work`'s response, or the OpenAI error for what it raised."""
@@ -162,38 +204,43 @@ class OpenAIApi:
             return response
 
     @api.get("/v1/models", responses=ERRORS)
-    async def models(self) -> dict[str, Any]:
+    async def models(self, request: Request) -> dict[str, Any]:
+        self._admit(request)
         info = await self._handle("text").GetModelInfo.remote(text_pb2.ModelInfoRequest())
         return {"object": "list", "data": [_model_entry(TEXT_MODEL, self.created, info.model_name),
                                            _model_entry(IMAGE_MODEL, self.created, IMAGE_MODEL)]}
 
     @api.post("/v1/completions", responses=ERRORS)
-    async def completions(self, body: CompletionBody) -> Response:
-        return await self._respond(self._text(body, chat=False), text.body_fields(body), TEXT_ERRORS)
+    async def completions(self, body: CompletionBody, request: Request) -> Response:
+        ticket = self._admit(request)
+        return await self._respond(self._text(body, ticket, chat=False), text.body_fields(body), TEXT_ERRORS)
 
     @api.post("/v1/chat/completions", responses=ERRORS)
-    async def chat_completions(self, body: ChatBody) -> Response:
-        return await self._respond(self._text(body, chat=True), text.body_fields(body), TEXT_ERRORS)
+    async def chat_completions(self, body: ChatBody, request: Request) -> Response:
+        ticket = self._admit(request)
+        return await self._respond(self._text(body, ticket, chat=True), text.body_fields(body), TEXT_ERRORS)
 
     @api.post("/v1/images/generations", responses=ERRORS)
-    async def images_generations(self, body: ImageBody) -> Response:
-        return await self._respond(self._images(body), images.FIELDS, IMAGE_ERRORS)
+    async def images_generations(self, body: ImageBody, request: Request) -> Response:
+        ticket = self._admit(request)
+        return await self._respond(self._images(body, ticket), images.FIELDS, IMAGE_ERRORS)
 
     # ---- text ---------------------------------------------------------------------------------------------
-    async def _text(self, body: ChatBody | CompletionBody, chat: bool) -> Response:
+    async def _text(self, body: ChatBody | CompletionBody, ticket: Ticket, chat: bool) -> Response:
         if body.model != TEXT_MODEL:
             raise ModelNotFound(body.model, "/v1/chat/completions" if chat else "/v1/completions")
         job = text.chat_job(body) if chat else text.completion_job(body)
         if body.stream:
-            return await self._text_stream(body, job, chat)
-        return await self._text_unary(body, job, chat)
+            return await self._text_stream(body, job, ticket, chat)
+        return await self._text_unary(body, job, ticket, chat)
 
     async def _token_texts(self, job: text.TextJob, logprobs: list) -> dict[int, str]:
         if job.top_logprobs is None:
             return {}
         return await self._handle("text").token_texts.remote(sorted(text.logprob_ids(logprobs)))
 
-    async def _text_unary(self, body: ChatBody | CompletionBody, job: text.TextJob, chat: bool) -> Response:
+    async def _text_unary(self, body: ChatBody | CompletionBody, job: text.TextJob, ticket: Ticket,
+                          chat: bool) -> Response:
         responses = [self._handle("text").Generate.remote(r) for r in job.requests]
         try:
             replies = [await r for r in responses]
@@ -201,6 +248,8 @@ class OpenAIApi:
             for r in responses:
                 r.cancel()
             raise
+        for r in replies:
+            ticket.charge(r)
         texts = await self._token_texts(job, [lp for r in replies for lp in r.logprobs])
         reply = text.chat_reply if chat else text.completion_reply
         return JSONResponse(reply(body.model, job, replies, texts))
@@ -212,7 +261,8 @@ class OpenAIApi:
         replies = await asyncio.gather(*(handle.Tokenize.remote(r) for r in requests))
         return sum(len(r.token_ids) for r in replies)
 
-    async def _text_stream(self, body: ChatBody | CompletionBody, job: text.TextJob, chat: bool) -> Response:
+    async def _text_stream(self, body: ChatBody | CompletionBody, job: text.TextJob, ticket: Ticket,
+                           chat: bool) -> Response:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         writer = text.ChunkWriter(chat, body.model, job, include_usage)
         handle = self._handle("text").options(stream=True)
@@ -242,6 +292,7 @@ class OpenAIApi:
                 item: tuple[int, text_pb2.TextChunk] | None = first
                 while item is not None:
                     index, chunk = item
+                    ticket.charge(chunk)
                     yield text.sse(writer.chunk(index, chunk, await self._token_texts(job, list(chunk.logprobs))))
                     item = await anext(chunks, None)
                 if counted is not None:
@@ -260,7 +311,7 @@ class OpenAIApi:
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     # ---- images -------------------------------------------------------------------------------------------
-    async def _images(self, body: ImageBody) -> Response:
+    async def _images(self, body: ImageBody, ticket: Ticket) -> Response:
         if body.model not in (None, IMAGE_MODEL):
             raise ModelNotFound(body.model, "/v1/images/generations")
         if self._image_size is None:
@@ -272,10 +323,9 @@ class OpenAIApi:
         except BaseException:
             response.cancel()
             raise
+        ticket.charge(reply)
         return JSONResponse(images.images_reply(reply))
 
 
 def build(args: dict[str, Any] | None = None) -> Application:
-    if args:
-        raise ValueError(f"the http app takes no args, got {sorted(args)}")
-    return OpenAIApi.bind()
+    return OpenAIApi.bind(HttpArgs.model_validate(args or {}))

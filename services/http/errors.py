@@ -1,7 +1,8 @@
 """Errors as OpenAI's error object: `{"error": {"message", "type", "param", "code"}}` with the fitting HTTP status.
 
 The status comes from the one mapping every gRPC handler uses (services/common/errors.py): INVALID_ARGUMENT is 400,
-NOT_FOUND 404, RESOURCE_EXHAUSTED 429 (with Retry-After), INTERNAL 500 with only a request id. `param` names the
+NOT_FOUND 404, RESOURCE_EXHAUSTED 429 (with Retry-After), UNAUTHENTICATED 401, UNAVAILABLE 503 (draining),
+INTERNAL 500 with only a request id. `param` names the
 field as the client spelled it (`fields` maps the gRPC schema's names, e.g. TextIn's `logprobs`, onto the body's).
 """
 
@@ -16,20 +17,23 @@ from pydantic import ValidationError
 from ray.exceptions import RayTaskError
 from ray.serve.exceptions import BackPressureError
 
-from services.common.errors import InvalidArgument, NotFound, field_path, to_status
+from services.common.errors import InvalidArgument, NotFound, RateLimited, Unauthenticated, field_path, to_status
 
 RETRY_AFTER_S = 1
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.UNIMPLEMENTED: 501,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
     grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNAVAILABLE: 503,
 }
-ERROR_TYPE = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
-              429: "rate_limit_error"}
-ERROR_CODE = {404: "model_not_found", 413: "request_too_large", 429: "overloaded", 500: "internal_error"}
+ERROR_TYPE = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+              413: "invalid_request_error", 429: "rate_limit_error"}
+ERROR_CODE = {401: "invalid_api_key", 404: "model_not_found", 413: "request_too_large", 429: "overloaded",
+              500: "internal_error"}
 
 
 class ModelNotFound(NotFound):
@@ -104,8 +108,17 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return _response(status, error_body(status, message, param, code), request_id)
 
 
-def _response(status: int, body: dict[str, Any], request_id: str | None) -> JSONResponse:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else {}
+def refusal(exc: Unauthenticated | RateLimited) -> JSONResponse:
+    """401 for a call without a valid key, 429 with the caller's own Retry-After for a rate limit; the same
+    message as over gRPC."""
+    if isinstance(exc, RateLimited):
+        return _response(429, error_body(429, str(exc), code="rate_limit_exceeded"), None, exc.retry_after_s)
+    return _response(401, error_body(401, str(exc)), None)
+
+
+def _response(status: int, body: dict[str, Any], request_id: str | None,
+              retry_after_s: int = RETRY_AFTER_S) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after_s)} if status == 429 else {}
     if request_id:
         headers["X-Request-Id"] = request_id
     return JSONResponse(body, status_code=status, headers=headers)

@@ -32,7 +32,7 @@ def diffusion_request(body: ImageBody, native: tuple[int, int]) -> diffusion_pb2
                                       f"{size_name(native)}")
     fields = {"prompt": body.prompt, "num_images": body.n, "seed": body.seed, "steps": body.steps,
               "negative_prompt": body.negative_prompt, "guidance_scale": body.guidance_scale,
-              "scheduler": body.scheduler}
+              "scheduler": body.scheduler, "guidance": body.guidance, "negative_weight": body.negative_weight}
     fields = {k: v for k, v in fields.items() if v is not None}
     DiffusionIn.model_validate(fields)
     return diffusion_pb2.DiffusionRequest(**fields)

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.diffusion.app import DiffusionIn
+from services.diffusion.guidance import GUIDANCE_MODES
 from services.diffusion.schedulers import SCHEDULERS
 from services.text.app import TextIn
 
@@ -114,3 +115,5 @@ class ImageBody(Body):
     steps: int | None = bounds(DiffusionIn, "steps")
     guidance_scale: float | None = bounds(DiffusionIn, "guidance_scale")
     scheduler: str | None = Field(None, json_schema_extra={"enum": list(SCHEDULERS)})
+    guidance: str | None = Field(None, json_schema_extra={"enum": list(GUIDANCE_MODES)})
+    negative_weight: float | None = bounds(DiffusionIn, "negative_weight")

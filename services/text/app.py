@@ -27,6 +27,7 @@ from ray.serve.deployment import Application
 from services.common import health
 from services.common.builder import build_app
 from services.common.errors import InvalidArgument
+from services.common.gate import Gate
 from services.common.metrics import ServiceMetrics
 from services.common.rpc import streaming, unary, unknown_rpcs
 from services.common.validation import MAX_SEED, Request, parse, resolve_seed
@@ -165,7 +166,9 @@ class TextGeneration:
     def __init__(self, model_dir: str | None, settings: TextArgs | None = None):
         settings = settings or TextArgs()
         self.metrics = ServiceMetrics("text")
-        self.engine = AsyncLLMEngine.from_dir(model_dir, dtype=settings.dtype, config=settings.engine_config())
+        self.gate = Gate.from_env(settings.rate_limits)
+        self.engine = AsyncLLMEngine.from_dir(model_dir, dtype=settings.dtype, config=settings.engine_config(),
+                                              stall_s=settings.stall_seconds)
         self.metrics.cpu_kernels(self.engine.engine.runner.cpu_kernels)
         self.max_prompt_bytes = PROMPT_BYTES_PER_TOKEN * self.engine.max_context
         # The grammar engine loads in seconds: in the background, so the first structured request need not wait.
@@ -255,14 +258,17 @@ class TextGeneration:
         return {i: decode([i], skip_special_tokens=False) for i in token_ids}
 
     def check_health(self) -> None:
-        """Ray Serve's replica health check: a failed engine loop gets the replica replaced."""
+        """Ray Serve's replica health check: a failed or stalled engine loop gets the replica replaced."""
         if self.engine.error is not None:
             raise RuntimeError(f"text engine failed: {type(self.engine.error).__name__}")
+        if self.engine.stalled:
+            raise RuntimeError(f"text engine stalled: no step finished for {self.engine.progress.stall_s:.0f} s "
+                               "while requests wait")
 
     @unary(health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse)
     async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
-        """NOT_SERVING once the engine's step loop has failed (every request would fail too)."""
-        return health.check(request, SERVICE, serving=self.engine.error is None)
+        """NOT_SERVING once the engine's step loop has failed or stalled (requests would fail or wait forever)."""
+        return health.check(request, SERVICE, serving=self.engine.error is None and not self.engine.stalled)
 
 
 def build(args: dict[str, Any] | None = None) -> Application:

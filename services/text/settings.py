@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 
 from services.common.builder import AppArgs
 from services.text.engine import EngineConfig
+from services.text.engine.progress import DEFAULT_STALL_S
 
 
 class TextArgs(AppArgs):
@@ -24,6 +25,8 @@ class TextArgs(AppArgs):
     max_lookahead: int = Field(8, ge=1, le=64)  # greedy steps per call where the runner has a multi-step path
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA runner)
     prefix_caching: bool = True  # full KV blocks reused across requests that share a prefix
+    # Work waits and no engine step finished for this long: health says NOT_SERVING and Ray replaces the replica.
+    stall_seconds: float = Field(DEFAULT_STALL_S, gt=0, le=3600)
 
     @model_validator(mode="after")
     def _one_kv_budget(self) -> TextArgs:

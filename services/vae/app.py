@@ -28,6 +28,7 @@ from services.common.batcher import BatchArgs, Batcher, rows_by_shape
 from services.common.builder import build_app
 from services.common.device import serving_device
 from services.common.errors import InvalidArgument
+from services.common.gate import Gate
 from services.common.images import MAX_PIXELS, from_png, images_response, tensor_from_message, tensor_message
 from services.common.metrics import ServiceMetrics
 from services.common.rpc import unary, unknown_rpcs
@@ -67,6 +68,7 @@ class Vae:
 
     def __init__(self, model_dir: str | None, args: BatchArgs):
         self.metrics = ServiceMetrics("vae")
+        self.gate = Gate.from_env(args.rate_limits)
         self.device = serving_device()
         self.vae, self.any_size = load_any_vae(model_dir, self.device)
         self.latent_shape = tuple(self.vae.config.latent_shape)

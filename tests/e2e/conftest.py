@@ -39,6 +39,7 @@ class Stack:
     log: Path
     http_port: int
     metrics_port: int
+    process: subprocess.Popen | None = None  # `python -m services.serve` itself (a drain test SIGTERMs it)
 
     @property
     def address(self) -> str:
@@ -125,7 +126,7 @@ def serving(base: int, log: Path, *options: str, env: dict[str, str] | None = No
         process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         _wait_ready(process, log)
-        yield Stack(ports["grpc"], ports["health"], log, ports["http"], ports["metrics"])
+        yield Stack(ports["grpc"], ports["health"], log, ports["http"], ports["metrics"], process)
     finally:
         _stop(process)
 

@@ -131,6 +131,12 @@ CASES = {
     "diffusion-unknown-scheduler": Case(
         "diffusion", "Generate", D.DiffusionRequest(prompt="a", scheduler="euler_magic"), "scheduler"
     ),
+    "diffusion-unknown-guidance": Case(
+        "diffusion", "Generate", D.DiffusionRequest(prompt="a", guidance="negative_cfg"), "guidance"
+    ),
+    "diffusion-negative-weight-above-limit": Case(
+        "diffusion", "Generate", D.DiffusionRequest(prompt="a", negative_weight=11.0), "negative_weight"
+    ),
     "diffusion-eta-above-one": Case("diffusion", "Generate", D.DiffusionRequest(prompt="a", eta=2.0), "eta"),
     "diffusion-width-not-native": Case("diffusion", "Generate", D.DiffusionRequest(prompt="a", width=64), "width"),
     "diffusion-stream-zero-steps": Case(

@@ -53,3 +53,17 @@ def test_proxy_without_metadata_is_not_found(stack) -> None:
     with pytest.raises(grpc.RpcError) as info:
         check(stack.address, "", None)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize(("address_of", "app"), [("address", "health"), ("health_address", None)])
+def test_watch_sends_the_status_at_once_and_service_unknown_for_an_unknown_name(stack, address_of: str,
+                                                                             app: str | None) -> None:
+    metadata = (("application", app),) if app else None
+    with grpc.insecure_channel(getattr(stack, address_of)) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        watch = stub.Watch(health_pb2.HealthCheckRequest(service=""), metadata=metadata, timeout=20)
+        assert next(watch).status == SERVING
+        watch.cancel()
+        unknown = stub.Watch(health_pb2.HealthCheckRequest(service="genserve.v1.Nope"), metadata=metadata, timeout=20)
+        assert next(unknown).status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+        unknown.cancel()

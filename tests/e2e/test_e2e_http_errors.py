@@ -69,6 +69,8 @@ CASES = {
     "image-steps-zero": Case("/images/generations", body(prompt="a red circle", steps=0), 400, "steps"),
     "image-unknown-scheduler": Case("/images/generations", body(prompt="a red circle", scheduler="heun"), 400,
                                     "scheduler"),
+    "image-unknown-guidance": Case("/images/generations", body(prompt="a red circle", guidance="plain"), 400,
+                                   "guidance"),
     "oversized-body": Case("/completions", body(model="text", prompt="a" * (MAX_BODY_BYTES + 1)), 413, None,
                            "request_too_large"),
 }

@@ -13,6 +13,7 @@ from PIL import Image
 
 from services.client import Client
 from services.client.requests import tensor_values
+from services.diffusion.model import DEMO_NEGATIVE_WEIGHT
 
 pytestmark = pytest.mark.e2e
 
@@ -122,6 +123,15 @@ def test_diffusion_generate_goes_through_the_vae(client: Client) -> None:
     assert len(a.images) == 2 and a.seed == 4
     assert (a.images[0].width, a.images[0].height) == (32, 32)
     assert [i.png for i in a.images] == [i.png for i in b.images]
+
+
+def test_diffusion_guidance_mode_is_the_requests_and_perp_neg_by_default(client: Client) -> None:
+    request = {"negative_prompt": "a green square", "steps": 3, "seed": 5}
+    prompt = "a large yellow square at the top left"
+    pngs = {mode: client.diffuse(prompt, guidance=mode, **request).images[0].png for mode in ("", "cfg", "perp_neg")}
+    assert pngs[""] == pngs["perp_neg"] != pngs["cfg"]
+    weighted = client.diffuse(prompt, guidance="perp_neg", negative_weight=DEMO_NEGATIVE_WEIGHT, **request)
+    assert weighted.images[0].png == pngs["perp_neg"]
 
 
 def test_diffusion_stream_reports_every_step_then_the_images(client: Client) -> None:

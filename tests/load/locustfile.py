@@ -9,7 +9,8 @@ through `LocustInterceptor`, which fires
 once at the end (total). RESOURCE_EXHAUSTED is the server shedding load on purpose, so it is recorded under the
 RPC's name plus `SHED_SUFFIX`, apart from real failures; every failure's message is its gRPC status code name.
 
-Knobs (environment): GENSERVE_LOAD_THINK_S (mean think time per user, 0 = back-to-back),
+Knobs (environment): GENSERVE_API_KEY (sent as `authorization: Bearer <key>` when the stack has keys),
+GENSERVE_LOAD_THINK_S (mean think time per user, 0 = back-to-back),
 GENSERVE_LOAD_WEIGHTS (user mix, default "text=4,gan=2,vae=2,diffusion=1,http=2"), GENSERVE_LOAD_MAX_TOKENS,
 GENSERVE_LOAD_DIFFUSION_STEPS, GENSERVE_LOAD_DEADLINE_S, and GENSERVE_LOAD_LOG: a file that receives one JSON line
 per request event ({"t", "name", "ms", "code"}), which `python -m tests.load.run` turns into docs/load.md.
@@ -50,6 +51,8 @@ from PIL import Image as PILImage  # noqa: E402
 SHED_SUFFIX = " [shed]"
 FIRST_SUFFIX = " [first]"
 DEFAULT_HOST = "127.0.0.1:9000"
+API_KEY = os.environ.get("GENSERVE_API_KEY", "")
+AUTHORIZATION = (("authorization", f"Bearer {API_KEY}"),) if API_KEY else ()
 
 THINK_S = float(os.environ.get("GENSERVE_LOAD_THINK_S", "1.0"))
 MAX_TOKENS = int(os.environ.get("GENSERVE_LOAD_MAX_TOKENS", "16"))
@@ -197,7 +200,7 @@ class GenserveUser(User):
     def on_start(self) -> None:
         self._raw_channel = grpc.insecure_channel(self.host)
         self.channel = grpc.intercept_channel(self._raw_channel, LocustInterceptor(self.environment))
-        self.metadata = (("application", self.application),)
+        self.metadata = (("application", self.application), *AUTHORIZATION)
 
     def on_stop(self) -> None:
         self._raw_channel.close()
@@ -307,6 +310,7 @@ class OpenAIUser(User):
     def on_start(self) -> None:
         self.url = http_url(self.host)
         self.session = requests.Session()
+        self.session.headers.update(dict(AUTHORIZATION))
 
     def on_stop(self) -> None:
         self.session.close()

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DiffusionRequest(_message.Message):
-    __slots__ = ("prompt", "negative_prompt", "num_images", "steps", "guidance_scale", "seed", "scheduler", "eta", "preview_every", "width", "height")
+    __slots__ = ("prompt", "negative_prompt", "num_images", "steps", "guidance_scale", "seed", "scheduler", "eta", "preview_every", "width", "height", "guidance", "negative_weight")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
     NUM_IMAGES_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,8 @@ class DiffusionRequest(_message.Message):
     PREVIEW_EVERY_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    GUIDANCE_FIELD_NUMBER: _ClassVar[int]
+    NEGATIVE_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     negative_prompt: str
     num_images: int
@@ -31,7 +33,9 @@ class DiffusionRequest(_message.Message):
     preview_every: int
     width: int
     height: int
-    def __init__(self, prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., num_images: _Optional[int] = ..., steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., scheduler: _Optional[str] = ..., eta: _Optional[float] = ..., preview_every: _Optional[int] = ..., width: _Optional[int] = ..., height: _Optional[int] = ...) -> None: ...
+    guidance: str
+    negative_weight: float
+    def __init__(self, prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., num_images: _Optional[int] = ..., steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., scheduler: _Optional[str] = ..., eta: _Optional[float] = ..., preview_every: _Optional[int] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., guidance: _Optional[str] = ..., negative_weight: _Optional[float] = ...) -> None: ...
 
 class DiffusionProgress(_message.Message):
     __slots__ = ("step", "total_steps", "elapsed_s")

@@ -13,12 +13,14 @@ import torch
 
 from services.text.engine.engine import EngineConfig, LLMEngine
 from services.text.engine.params import Delta, SamplingParams
+from services.text.engine.progress import DEFAULT_STALL_S, StallDetector
 
 DEMO_DIR = Path(__file__).resolve().parent.parent / "weights"
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, source: str = "", quantization: str = ""):
+    def __init__(self, engine: LLMEngine, source: str = "", quantization: str = "",
+                 stall_s: float = DEFAULT_STALL_S):
         self.engine = engine
         self.source = source  # the file or directory the weights came from
         self.quantization = quantization  # the checkpoint's own weight type, e.g. "Q4_1" for a GGUF file
@@ -27,10 +29,11 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.error: BaseException | None = None
+        self.progress = StallDetector(stall_s)
 
     @classmethod
     def from_dir(cls, path: str | Path | None = None, *, dtype: str = "auto", config: EngineConfig | None = None,
-                 device: str | None = None) -> AsyncLLMEngine:
+                 device: str | None = None, stall_s: float = DEFAULT_STALL_S) -> AsyncLLMEngine:
         """Load a checkpoint directory or GGUF file (``None`` -> the committed demo model) into a ready engine on
         ``device`` (default: CUDA when available, else CPU). ``dtype`` "auto" is bfloat16 on CUDA and float32 on the
         CPU."""
@@ -48,16 +51,21 @@ class AsyncLLMEngine:
         if gguf is None:
             model = load_model(root, dtype, device=device)
             tokenizer = TextTokenizer.from_dir(root, model.config.eos_token_ids)
-            return cls(LLMEngine(model, tokenizer, config, model_name=root.name), str(root))
+            return cls(LLMEngine(model, tokenizer, config, model_name=root.name), str(root), stall_s=stall_s)
         model = load_model(gguf, dtype, device=device, keep_quantized=keep_quantized)
         tokenizer = TextTokenizer.from_gguf(gguf, model.config.eos_token_ids)
         quantized = any(isinstance(m, QuantLinear) for m in model.modules())
         return cls(LLMEngine(model, tokenizer, config, model_name=gguf.path.stem), str(gguf.path),
-                   gguf.file_type if quantized else "")
+                   gguf.file_type if quantized else "", stall_s=stall_s)
 
     @property
     def max_context(self) -> int:
         return self.engine.max_context
+
+    @property
+    def stalled(self) -> bool:
+        """Work waits and no step has finished for `progress.stall_s` (services/text/engine/progress.py)."""
+        return self.progress.stalled(self.engine.has_work())
 
     @property
     def kv_blocks_free(self) -> int:
@@ -89,11 +97,13 @@ class AsyncLLMEngine:
         while True:
             with self._wake:
                 while not self._stopping and not self.engine.has_work():
+                    self.progress.idle()
                     self._wake.wait()
                 if self._stopping:
                     return
             try:
                 self.engine.step()
+                self.progress.stepped()
             except BaseException as exc:  # surface model errors to every waiting request instead of hanging
                 self.error = exc
                 self.engine.fail_all(f"engine error: {type(exc).__name__}")
@@ -101,6 +111,7 @@ class AsyncLLMEngine:
     def _notify(self) -> None:
         self._ensure_thread()
         with self._wake:
+            self.progress.work_arrived()
             self._wake.notify()
 
     def shutdown(self) -> None:

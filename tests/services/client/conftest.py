@@ -1,4 +1,5 @@
-"""An in-process gRPC server with fake TextGeneration and ImageGan servicers, recording the metadata it gets."""
+"""An in-process gRPC server with fake TextGeneration and ImageGan servicers, recording the metadata it gets
+(GetModelInfo answers with the `authorization` metadata as its model name)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class FakeText(text_pb2_grpc.TextGenerationServicer):
         if request.HasField("temperature") and request.temperature < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "temperature: must be >= 0")
         if request.prompt == "busy":
+            context.set_trailing_metadata((("retry-after", "3"),))
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded")
         return text_pb2.TextResponse(text=request.prompt[::-1], token_ids=[1, 2], finish_reason="length")
 
@@ -39,7 +41,8 @@ class FakeText(text_pb2_grpc.TextGenerationServicer):
             yield text_pb2.TextChunk(text=ch, token_ids=[i], finish_reason="length" if last else "")
 
     def GetModelInfo(self, request, context):
-        return text_pb2.ModelInfo(model_name="fake-model")
+        authorization = dict(context.invocation_metadata()).get("authorization")
+        return text_pb2.ModelInfo(model_name=authorization or "fake-model")
 
 
 class FakeGan(gan_pb2_grpc.ImageGanServicer):

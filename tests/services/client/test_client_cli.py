@@ -116,6 +116,19 @@ def test_common_options_go_before_or_after_the_subcommand(fake_server, capsys) -
     assert capsys.readouterr().out == "ih\nih\n"
 
 
+def test_the_api_key_comes_from_the_flag_before_or_after_the_subcommand_or_the_env(fake_server, capsys,
+                                                                                  monkeypatch) -> None:
+    address, _ = fake_server
+    monkeypatch.delenv("GENSERVE_API_KEY", raising=False)
+    assert main(["info", "--address", address]) == 0
+    assert main(["--api-key", "k1", "info", "--address", address]) == 0
+    assert main(["info", "--address", address, "--api-key", "k2"]) == 0
+    monkeypatch.setenv("GENSERVE_API_KEY", "k3")
+    assert main(["info", "--address", address]) == 0
+    names = [line.split(None, 1)[1] for line in capsys.readouterr().out.splitlines() if line.startswith("model_name")]
+    assert names == ["fake-model", "Bearer k1", "Bearer k2", "Bearer k3"]
+
+
 def test_no_server_is_said_plainly(capsys) -> None:
     assert main(["info", "--address", "127.0.0.1:1", "--timeout", "2"]) == 1
     assert capsys.readouterr().err == "genserve: no genserve server at 127.0.0.1:1 — start one with `make serve`\n"

@@ -19,6 +19,9 @@ def test_requests_leave_unset_options_unset() -> None:
     assert not gan_sample_request().HasField("num_images")
     request = diffusion_request("a cat", steps=3)
     assert request.steps == 3 and not request.HasField("guidance_scale") and not request.HasField("seed")
+    assert request.guidance == "" and not request.HasField("negative_weight")
+    request = diffusion_request("a cat", guidance="perp_neg", negative_weight=0.0)
+    assert request.guidance == "perp_neg" and request.HasField("negative_weight") and request.negative_weight == 0.0
 
 
 def test_sync_client_sends_the_application_metadata(fake_server) -> None:
@@ -77,3 +80,40 @@ def test_async_client_unary_and_stream(fake_server) -> None:
     reply, chunks, images = asyncio.run(run())
     assert reply.text == "ba" and chunks == ["x", "y", "z"] and len(images.images) == 3
     assert {application for application, _ in seen} == {"text"}
+
+
+def test_the_api_key_goes_as_a_bearer_token_from_the_argument_or_the_env(fake_server, monkeypatch) -> None:
+    address, _ = fake_server
+    monkeypatch.delenv("GENSERVE_API_KEY", raising=False)
+    with Client(address, timeout=5) as client:
+        assert client.model_info().model_name == "fake-model"  # no key: no authorization metadata at all
+    with Client(address, timeout=5, api_key="k1") as client:
+        assert client.model_info().model_name == "Bearer k1"
+    monkeypatch.setenv("GENSERVE_API_KEY", "k2")
+    with Client(address, timeout=5) as client:
+        assert client.model_info().model_name == "Bearer k2"
+        assert [c.text for c in client.generate_stream("ab")] == ["a", "b"]
+
+    async def aio() -> tuple[str, str]:
+        async with AsyncClient(address, timeout=5) as from_env, AsyncClient(address, api_key="k3") as given:
+            return (await from_env.model_info()).model_name, (await given.model_info()).model_name
+
+    assert asyncio.run(aio()) == ("Bearer k2", "Bearer k3")
+
+
+def test_a_refusal_carries_the_servers_retry_after(fake_server) -> None:
+    address, _ = fake_server
+    with Client(address, timeout=5) as client, pytest.raises(client_errors.ResourceExhausted) as info:
+        client.generate("busy")
+    assert info.value.retry_after_s == 3.0
+    with Client(address, timeout=5) as client, pytest.raises(client_errors.InvalidArgument) as info:
+        client.generate("hi", temperature=-1.0)
+    assert info.value.retry_after_s is None
+
+    async def aio() -> float | None:
+        async with AsyncClient(address, timeout=5) as client:
+            with pytest.raises(client_errors.ResourceExhausted) as refused:
+                await client.generate("busy")
+        return refused.value.retry_after_s
+
+    assert asyncio.run(aio()) == 3.0

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from services.common import deploy_config
 from services.common.deploy_config import GPU_PATH, LOCAL_PATH, reserved_cpus, serve_config
+from services.common.drain import DRAIN_SECONDS, SHUTDOWN_WAIT_LOOP_S
 
 MODEL_APPS = {"text", "gan", "vae", "diffusion"}
 
@@ -55,3 +57,10 @@ def test_ports_and_model_dirs_are_parameters() -> None:
     assert apps["health"]["args"]["port"] == 9101
     assert apps["text"]["args"]["model_dir"] == "/m/text" and apps["gan"]["args"]["model_dir"] is None
     assert set(deploy_config.SERVICER_FUNCTIONS) == set(config["grpc_options"]["grpc_servicer_functions"])
+
+
+@pytest.mark.parametrize("target", ["local", "gpu"])
+def test_every_deployment_drains_for_the_drain_time(target: str) -> None:
+    deployments = [d for app in serve_config(target)["applications"] for d in app["deployments"]]
+    assert {d["graceful_shutdown_timeout_s"] for d in deployments} == {DRAIN_SECONDS}
+    assert {d["graceful_shutdown_wait_loop_s"] for d in deployments} == {SHUTDOWN_WAIT_LOOP_S}

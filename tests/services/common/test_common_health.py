@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common import drain, health
+from services.common.drain import DrainBoard, DrainWatch
 from services.common.errors import NotFound
-from services.common.health import NOT_SERVING, SERVICES, SERVING, check, start_health_server, status_of
+from services.common.health import (
+    NOT_SERVING,
+    SERVICE_UNKNOWN,
+    SERVICES,
+    SERVING,
+    check,
+    start_health_server,
+    status_of,
+)
 
 ALL_RUNNING = {app: True for app in SERVICES.values()}
 
@@ -73,3 +84,75 @@ def test_health_server_refuses_a_busy_port() -> None:
             start_health_server("127.0.0.1", port, FixedStatus(ALL_RUNNING))
     finally:
         first.stop(grace=None)
+
+
+@pytest.fixture
+def board(monkeypatch: pytest.MonkeyPatch) -> DrainBoard:
+    """A drain board this process watches (instead of the Ray actor), polled at each answer; Watch looks every 10 ms."""
+    board = DrainBoard()
+    watch = DrainWatch(lambda in_flight: board.report("replica", in_flight))
+    watch._polled.set()
+    watch._thread = object()
+    monkeypatch.setattr(watch, "current", lambda: (watch.poll(), watch.state)[1])
+    monkeypatch.setattr(drain, "watch", lambda: watch)
+    monkeypatch.setattr(health, "WATCH_POLL_S", 0.01)
+    return board
+
+
+def test_while_draining_check_says_not_serving(board: DrainBoard) -> None:
+    ask = health_pb2.HealthCheckRequest
+    assert check(ask(service=""), "genserve.v1.Vae", serving=True).status == SERVING
+    board.start(30)
+    assert check(ask(service=""), "genserve.v1.Vae", serving=True).status == NOT_SERVING
+
+
+def test_gateway_watch_sends_changes_then_ends_when_the_stack_stops(board: DrainBoard) -> None:
+    running = dict(ALL_RUNNING)
+
+    async def status():
+        return lambda: status_of("genserve.v1.Diffusion", dict(running))
+
+    async def scenario() -> list[int]:
+        seen: list[int] = []
+        async for reply in health.watch_status(status):
+            seen.append(reply.status)
+            if len(seen) == 1:
+                running["diffusion"] = False  # e.g. a replica being replaced
+            elif len(seen) == 2:
+                running["diffusion"] = True
+            elif len(seen) == 3:
+                board.start(30)
+            else:
+                board.stop()
+        return seen
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 10)) == [SERVING, NOT_SERVING, SERVING, NOT_SERVING]
+
+
+def test_gateway_watch_of_an_unknown_name_says_service_unknown(board: DrainBoard) -> None:
+    async def status():
+        return lambda: status_of("genserve.v1.Nope", ALL_RUNNING)
+
+    async def first() -> int:
+        return (await anext(health.watch_status(status))).status
+
+    assert asyncio.run(first()) == SERVICE_UNKNOWN
+
+
+def test_health_server_watch_sees_serving_then_not_serving_on_drain(board: DrainBoard) -> None:
+    port = free_port()
+    server = start_health_server("127.0.0.1", port, FixedStatus(ALL_RUNNING))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            stream = stub.Watch(health_pb2.HealthCheckRequest(service="genserve.v1.TextGeneration"), timeout=10)
+            assert next(stream).status == SERVING
+            board.start(30)
+            assert next(stream).status == NOT_SERVING
+            board.stop()
+            assert list(stream) == []  # the stream ends once the stack stops
+            unknown = stub.Watch(health_pb2.HealthCheckRequest(service="nope"), timeout=10)
+            assert next(unknown).status == SERVICE_UNKNOWN
+            unknown.cancel()
+    finally:
+        server.stop(grace=None)

@@ -8,7 +8,9 @@ import grpc
 import pytest
 from genserve.v1 import text_pb2
 
+from services.common.auth import Access
 from services.common.errors import InvalidArgument
+from services.common.gate import Gate
 from services.common.metrics import ServiceMetrics
 from services.common.rpc import StatusSet, streaming, unary, unknown_rpcs
 
@@ -21,6 +23,12 @@ class FakeContext:
 
     def request_id(self) -> str:
         return "req-1"
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:5000"
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return [("application", "test")]
 
     def set_code(self, code: grpc.StatusCode) -> None:
         self.code = code
@@ -39,6 +47,7 @@ class Service:
 
     def __init__(self) -> None:
         self.metrics = ServiceMetrics("test")
+        self.gate = Gate(Access())  # no keys: this host's calls are served
 
     @unary(text_pb2.TextRequest, text_pb2.TextResponse)
     async def Generate(self, request: text_pb2.TextRequest) -> text_pb2.TextResponse:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import pytest
+
 from services import serve
 
 
@@ -93,3 +95,42 @@ def test_the_vae_app_follows_genserve_diffusion_model(tmp_path: Path, monkeypatc
     monkeypatch.setenv("GENSERVE_DIFFUSION_MODEL", str(tmp_path))  # not a diffusers folder: demo VAE
     monkeypatch.delenv("GENSERVE_VAE_MODEL")
     assert resolve_model_dir("vae", None) is None
+
+
+def test_start_up_says_who_may_call_and_insecure_says_it_loudly(monkeypatch, capsys) -> None:
+    for name in ("GENSERVE_API_KEYS", "GENSERVE_API_KEYS_FILE", "GENSERVE_INSECURE"):
+        monkeypatch.setenv(name, "")  # set, so that what --insecure puts there is undone after the test
+    serve.announce(serve.access(parse()))
+    out, err = capsys.readouterr()
+    assert "auth: off" in out and "only callers on this host are served" in out and err == ""
+    rule = serve.access(parse("--insecure"))
+    assert rule.insecure and serve.os.environ["GENSERVE_INSECURE"] == "1"  # the replicas inherit it
+    serve.announce(rule)
+    out, err = capsys.readouterr()
+    assert "INSECURE" in out and "NO API KEYS" in err
+
+
+def test_keys_are_checked_before_anything_starts(monkeypatch, tmp_path: Path, capsys) -> None:
+    monkeypatch.delenv("GENSERVE_API_KEYS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "keys").write_text("sha256:1234\n")
+    monkeypatch.setenv("GENSERVE_API_KEYS_FILE", "keys")  # relative: made absolute for the replicas
+    monkeypatch.setattr(serve, "start", lambda *a: pytest.fail("started with a bad key file"))
+    assert serve.run(parse()) == 1
+    assert "API keys: GENSERVE_API_KEYS_FILE line 1: `sha256:` must be followed" in capsys.readouterr().err
+    (tmp_path / "keys").write_text("a-real-key\n")
+    serve.announce(serve.access(parse()))
+    out = capsys.readouterr().out
+    assert "API keys required (1 configured)" in out and "a-real-key" not in out
+    assert serve.os.environ["GENSERVE_API_KEYS_FILE"] == str(tmp_path / "keys")
+
+
+def test_the_drain_time_is_the_flag_else_the_env_var_and_reaches_every_deployment(monkeypatch) -> None:
+    monkeypatch.delenv("GENSERVE_DRAIN_SECONDS", raising=False)
+    assert parse().drain_seconds == 30.0
+    monkeypatch.setenv("GENSERVE_DRAIN_SECONDS", "12")
+    assert parse().drain_seconds == 12.0
+    config = serve.load_config(parse("--drain-seconds", "45"))
+    deployments = [d for app in config["applications"] for d in app["deployments"]]
+    assert {d["graceful_shutdown_timeout_s"] for d in deployments} == {45.0}
+    assert {d["graceful_shutdown_wait_loop_s"] for d in deployments} == {1.0}

@@ -40,3 +40,13 @@ def local_serve_config() -> dict:
 @pytest.fixture(scope="session")
 def rayservice() -> dict:
     return yaml.safe_load((ROOT / "deploy" / "kuberay" / "rayservice.yaml").read_text())
+
+
+@pytest.fixture(scope="session")
+def rayservice_tls() -> dict:
+    return yaml.safe_load((ROOT / "deploy" / "kuberay" / "rayservice.tls.yaml").read_text())
+
+
+@pytest.fixture(scope="session")
+def tls_front_config_map() -> dict:
+    return yaml.safe_load((ROOT / "deploy" / "kuberay" / "tls-front.yaml").read_text())

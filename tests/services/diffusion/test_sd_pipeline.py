@@ -155,6 +155,7 @@ def test_default_sampler_and_sizes_come_from_the_folder(sd_dirs: dict[str, Path]
     assert pipe.model.native_size == (64, 64) and pipe.latent_shape == (4, 8, 8)
     assert pipe.model.scaling_factor == pytest.approx(0.18215)
     assert pipe.model.max_pixels == 4 * 64 * 64
+    assert pipe.model.default_guidance == "cfg"  # diffusers' own guidance, so seed-for-seed parity holds
 
 
 @pytest.mark.parametrize(("size", "field", "message"), [

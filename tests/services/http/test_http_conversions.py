@@ -134,6 +134,12 @@ def test_image_body_maps_onto_a_diffusion_request() -> None:
         images.diffusion_request(ImageBody(prompt="x", response_format="url"), (32, 32))
     with pytest.raises(ValidationError):
         images.diffusion_request(ImageBody(prompt="x", n=9), (32, 32))
+    guided = images.diffusion_request(ImageBody(prompt="x", negative_prompt="a green circle", guidance="perp_neg",
+                                                negative_weight=0.25), (32, 32))
+    assert (guided.guidance, guided.negative_weight, guided.negative_prompt) == ("perp_neg", 0.25, "a green circle")
+    assert not request.HasField("negative_weight") and request.guidance == ""
+    with pytest.raises(ValidationError, match="guidance"):
+        images.diffusion_request(ImageBody(prompt="x", guidance="plain"), (32, 32))
     reply = images.images_reply(common_pb2.ImagesResponse(images=[common_pb2.Image(png=b"\x89PNG")]))
     assert reply["data"] == [{"b64_json": "iVBORw=="}]
 

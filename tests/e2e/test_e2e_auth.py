@@ -1,0 +1,157 @@
+"""API keys and rate limits on a real stack of their own (docs/security.md), on 127.0.0.1 only.
+
+The stack takes the keys of a key file (one plain key, one `sha256:` line) and one more from GENSERVE_API_KEYS, and
+small rate limits from its serve config: the `gan` app one request per 3 s (burst 2), the `text` app 2 generated
+tokens a second (burst 2), the `http` app one request per 3 s (burst 3). Only text, gan, http and health are deployed.
+Each limit test has a key of its own, so the buckets of one test never leak into another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import grpc
+import openai
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.client import Client
+from services.client import errors as client_errors
+from services.common.auth import BAD_KEY
+from services.common.deploy_config import LOCAL_PATH
+
+pytestmark = pytest.mark.e2e
+
+PLAIN, HASHED, GAN_LIMITED, TEXT_LIMITED, HTTP_LIMITED = "e2e-plain-key", "e2e-hashed-key", "gan-k", "text-k", "http-k"
+APPS = ("text", "gan", "http", "health")
+LIMITS = {
+    "gan": {"requests_per_minute": 20, "requests_burst": 2},
+    "text": {"tokens_per_minute": 120, "tokens_burst": 2},
+    "http": {"requests_per_minute": 20, "requests_burst": 3},
+}
+CHAT = [{"role": "user", "content": "Say hi"}]
+
+
+@pytest.fixture(scope="module")
+def keyed(serve, base_port: int, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    folder = tmp_path_factory.mktemp("auth")
+    keys = folder / "keys"
+    keys.write_text(f"# e2e keys\n{PLAIN}\nsha256:{hashlib.sha256(HASHED.encode()).hexdigest()}\n")
+    config = yaml.safe_load(LOCAL_PATH.read_text())
+    config["applications"] = [app for app in config["applications"] if app["name"] in APPS]
+    for app in config["applications"]:
+        if app["name"] in LIMITS:
+            app["args"]["rate_limits"] = LIMITS[app["name"]]
+    (folder / "serve_config.yaml").write_text(yaml.safe_dump(config))
+    env = {"GENSERVE_API_KEYS_FILE": str(keys), "GENSERVE_API_KEYS": f"{GAN_LIMITED},{TEXT_LIMITED},{HTTP_LIMITED}"}
+    with serve(base_port + 50, folder / "serve.log", "--config", str(folder / "serve_config.yaml"), env=env) as stack:
+        yield stack
+
+
+def http(stack, key: str | None) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.http_url, api_key=key, max_retries=0, timeout=60)
+
+
+@pytest.mark.parametrize("key", [None, "wrong-key", f"sha256:{hashlib.sha256(HASHED.encode()).hexdigest()}"])
+def test_grpc_without_the_right_key_is_unauthenticated_with_one_message(keyed, key: str | None) -> None:
+    with Client(keyed.address, timeout=30, api_key=key) as client:
+        for call in (lambda: client.gan_sample(1, seed=1), lambda: client.model_info(),
+                     lambda: list(client.generate_stream("Hi", max_tokens=2)), client.status):
+            with pytest.raises(client_errors.Unauthenticated) as refused:
+                call()
+            assert refused.value.details == BAD_KEY
+
+
+@pytest.mark.parametrize("key", [PLAIN, HASHED])
+def test_grpc_with_a_plain_or_a_hashed_key_is_served(keyed, key: str) -> None:
+    with Client(keyed.address, timeout=60, api_key=key) as client:
+        assert len(client.gan_sample(1, seed=1).images) == 1
+        assert client.model_info().model_name
+        assert {app.name for app in client.status().apps} == set(APPS)
+
+
+def test_the_log_says_keys_are_required_and_never_shows_one(keyed) -> None:
+    log = keyed.log.read_text(errors="replace")
+    assert "auth: API keys required (5 configured)" in log
+    assert not any(key in log for key in (PLAIN, HASHED, GAN_LIMITED, TEXT_LIMITED, HTTP_LIMITED))
+
+
+def test_health_needs_no_key(keyed) -> None:
+    with Client(keyed.address, timeout=30) as client:
+        assert client.health("genserve.v1.ImageGan", application="gan") == health_pb2.HealthCheckResponse.SERVING
+        assert client.health("genserve.v1.TextGeneration") == health_pb2.HealthCheckResponse.SERVING
+    with grpc.insecure_channel(keyed.health_address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="genserve.v1.ImageGan"),
+                                                         timeout=30)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    with urllib.request.urlopen(f"http://127.0.0.1:{keyed.http_port}/-/healthz", timeout=30) as response:
+        assert response.status == 200
+
+
+def test_http_without_the_right_key_is_401_with_one_message(keyed) -> None:
+    request = urllib.request.Request(f"{keyed.http_url}/models")  # no authorization header at all
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        urllib.request.urlopen(request, timeout=30)
+    assert missing.value.code == 401
+    assert json.loads(missing.value.read())["error"] == {"message": BAD_KEY, "type": "invalid_request_error",
+                                                         "param": None, "code": "invalid_api_key"}
+    with http(keyed, "wrong-key") as api:
+        with pytest.raises(openai.AuthenticationError) as wrong:
+            api.models.list()
+        with pytest.raises(openai.AuthenticationError):
+            api.chat.completions.create(model="text", messages=CHAT, max_tokens=2)
+    assert wrong.value.status_code == 401 and wrong.value.body["message"] == BAD_KEY
+
+
+@pytest.mark.parametrize("key", [PLAIN, HASHED])
+def test_http_with_a_plain_or_a_hashed_key_is_served_by_the_openai_client(keyed, key: str) -> None:
+    with http(keyed, key) as api:
+        assert {m.id for m in api.models.list()} == {"text", "diffusion"}
+        reply = api.chat.completions.create(model="text", messages=CHAT, max_tokens=3, temperature=0)
+    assert reply.usage.completion_tokens >= 1
+
+
+def test_grpc_request_limit_answers_resource_exhausted_with_retry_after_then_serves(keyed) -> None:
+    with Client(keyed.address, timeout=60, api_key=GAN_LIMITED) as client:
+        for seed in (1, 2):
+            assert len(client.gan_sample(1, seed=seed).images) == 1
+        with pytest.raises(client_errors.ResourceExhausted) as limited:
+            client.gan_sample(1, seed=3)
+        assert "rate limit of requests" in limited.value.details
+        assert 1 <= limited.value.retry_after_s <= 3
+        with Client(keyed.address, timeout=60, api_key=PLAIN) as other:  # another key's bucket is its own
+            assert len(other.gan_sample(1, seed=3).images) == 1
+        time.sleep(limited.value.retry_after_s)
+        assert len(client.gan_sample(1, seed=3).images) == 1
+
+
+def test_grpc_token_limit_counts_generated_tokens(keyed) -> None:
+    with Client(keyed.address, timeout=60, api_key=TEXT_LIMITED) as client:
+        reply = client.generate("The", max_tokens=8, temperature=0)
+        left = 2 - len(reply.token_ids)  # the bucket held 2, then lost what was generated
+        with pytest.raises(client_errors.ResourceExhausted) as limited:
+            client.generate("The", max_tokens=8, temperature=0)
+        assert "rate limit of tokens" in limited.value.details
+        assert 1 <= limited.value.retry_after_s <= max(1, math.ceil((1 - left) / 2))  # refilled at 2 tokens a second
+        time.sleep(limited.value.retry_after_s)
+        assert client.generate("The", max_tokens=1, temperature=0).token_ids
+
+
+def test_http_request_limit_is_429_with_retry_after_then_serves(keyed) -> None:
+    with http(keyed, HTTP_LIMITED) as api:
+        for _ in range(3):
+            api.models.list()
+        with pytest.raises(openai.RateLimitError) as limited:
+            api.models.list()
+        retry_after = int(limited.value.response.headers["retry-after"])
+        assert 1 <= retry_after <= 3
+        assert limited.value.body["code"] == "rate_limit_exceeded"
+        time.sleep(retry_after)
+        assert {m.id for m in api.models.list()} == {"text", "diffusion"}
