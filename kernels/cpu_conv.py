@@ -13,9 +13,10 @@ image's pixels changed with the number of images it was computed with (up to 4e-
 choice here depends on one image's geometry only: the prepared path when one image has at most MAX_PIXELS output
 pixels, ``torch.mkldnn_convolution`` (oneDNN, weight reordered per call) for larger images. Both run every image of
 the batch through the same oneDNN kernel, so a batched image is bit-identical to the same image alone
-(tests/kernels/test_cpu_conv.py; that is what lets the gan and vae apps merge requests, docs/metrics.md). On a
-2-core EPYC, one thread, min of 7: the demo GAN 6.1 ms for 1 image and 79 ms for 32 (the batch-size rule it
-replaces: 6.4 and 105 ms), the demo VAE's Reconstruct 21 / 326 ms (before: 20 / 562 ms).
+(tests/kernels/test_cpu_conv.py; that is what lets the gan and vae apps merge requests, docs/deploy.md). On a
+shared 2-core EPYC, one thread, min of 5-7 runs, convolutions alone changed: the demo GAN 6.1 ms for 1 image and
+79 ms for 32 (the batch-size rule it replaces: 6.4 and 105 ms), the demo VAE's Reconstruct 21 / 326 ms (before: 20 /
+562 ms).
 """
 
 from __future__ import annotations
