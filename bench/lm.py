@@ -249,14 +249,19 @@ def demo_perplexities(max_tokens: int = 8192) -> dict[str, float] | None:
 
 # ---- llama.cpp on the same GGUF file ----------------------------------------------------------------------------
 def llama_cpp_for(path: Path, threads: int):
-    """llama.cpp (llama-cpp-python) on the same file, or None with a printed line when it is not installed."""
+    """llama.cpp (llama-cpp-python) on the same file, or None with a printed line when it is not installed or cannot
+    load the file."""
     try:
         import llama_cpp
     except ImportError:
         print("llama.cpp: skipped (llama-cpp-python is not installed; `pip install llama-cpp-python` builds it)")
         return None
-    return llama_cpp.Llama(model_path=str(path), n_ctx=1024, n_threads=threads, n_threads_batch=threads,
-                           verbose=False)
+    try:
+        return llama_cpp.Llama(model_path=str(path), n_ctx=1024, n_threads=threads, n_threads_batch=threads,
+                               verbose=False)
+    except ValueError as exc:  # llama.cpp refuses files transformers reads (e.g. no tokenizer metadata)
+        print(f"llama.cpp: skipped (it cannot load {path.name}: {exc})")
+        return None
 
 
 def llama_cpp_stamps(llm, prompt: list[int], n: int) -> list[float]:
@@ -361,7 +366,7 @@ def goal_lines(summary: dict[str, tuple[float, float, float]], quant: str, llama
              f"  (c) fp32 >= 70% of roofline: {fp32_share:.1f}% {'met' if fp32_share >= 70 else 'MISSED'} "
              f"({quant}: {summary[quant][2]:.1f}%)"]
     if llama is None:
-        return [*lines, "  llama.cpp goals: not measured (llama-cpp-python is not installed)"]
+        return [*lines, "  llama.cpp goals: not measured (llama.cpp did not run; see its line above)"]
     serial = summary[llama][1]
     return [*lines, goal("batch-1 >= llama.cpp", {quant: summary[quant][0] / summary[llama][0]}, 1),
             goal(f"16 mixed >= 3x llama.cpp one after another ({llama}'s (b))",

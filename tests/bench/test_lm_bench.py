@@ -44,7 +44,7 @@ def test_lm_bench_on_a_gguf_file_prints_every_row_and_goal(tmp_path: Path) -> No
     assert any(line.startswith("  (a) batch-1 >= 3x HF: engine fp32 ") for line in lines)
     assert any(line.startswith("  (c) fp32 >= 70% of roofline: ") for line in lines)
     llama = any(line.startswith("llama.cpp Q4_1") for line in lines)
-    assert llama or "llama.cpp: skipped (llama-cpp-python is not installed" in done.stdout
+    assert llama or "llama.cpp: skipped (" in done.stdout
     assert any(line.startswith("(d) TTFT, 512-token system prompt") for line in lines)
 
 
