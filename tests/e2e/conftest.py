@@ -39,6 +39,8 @@ class Stack:
     log: Path
     http_port: int
     metrics_port: int
+    # The `services.serve` process: its descendants are this stack's Ray processes (tests/load/replica_processes.py).
+    pid: int = 0
 
     @property
     def address(self) -> str:
@@ -125,7 +127,7 @@ def serving(base: int, log: Path, *options: str, env: dict[str, str] | None = No
         process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         _wait_ready(process, log)
-        yield Stack(ports["grpc"], ports["health"], log, ports["http"], ports["metrics"])
+        yield Stack(ports["grpc"], ports["health"], log, ports["http"], ports["metrics"], process.pid)
     finally:
         _stop(process)
 

@@ -1,0 +1,395 @@
+"""hypothesis strategies for every genserve request message, derived from the protobuf descriptors.
+
+`request_strategy(descriptor)` walks the message's fields: each scalar type has a generic strategy (extremes,
+NaN/inf, odd Unicode, random bytes), repeated fields are empty, short or huge, optional fields are set or not,
+oneofs pick a member, nested messages recurse. A field added to a .proto is fuzzed without a change here.
+`TARGETED` adds values that reach deeper for fields whose meaning the descriptor cannot tell: real, truncated and
+hostile images, latents of near-valid shapes, chat roles, schedulers, JSON Schemas and regular expressions, and
+cheap valid settings, so a good share of requests get past validation and run the models. Values at the limits
+that cost the most (1024 tokens, 200 denoising steps) come rarely, so a run of thousands stays minutes long.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import struct
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import Message
+from google.protobuf.message_factory import GetMessageClass
+from hypothesis import strategies as st
+from PIL import Image
+
+INT32 = (-(2**31), 2**31 - 1)
+INT64 = (-(2**63), 2**63 - 1)
+UINT32 = (0, 2**32 - 1)
+UINT64 = (0, 2**64 - 1)
+FLOAT32_MAX = 3.4028234663852886e38
+# Huge repeated fields and strings: element counts and sizes that reach the server's message and field limits.
+HUGE_COUNTS = (1_000, 100_000)
+HUGE_CHARS = (10_000, 100_000, 3_000_000)
+# A huge repeated field holds about this many bytes: beyond the 4 MiB a gRPC server takes by default.
+HUGE_BYTES = 6 * 2**20
+MAX_DEPTH = 3
+
+ODD_TEXT = (
+    "", " ", "\x00", "\x00" * 64, "\t\r\n", "\u202e" + "evil", "\u200b\u200d\ufeff", "e\u0301" * 50,
+    "Z\u0351\u0300\u0316\u0317" * 20, "\U0001f469\u200d\U0001f469\u200d\U0001f467" * 10, "\U0010ffff", "\ufffd",
+    "\u2028\u2029", "日本語のテキスト", "مرحبا بالعالم", "🙂" * 300, "%s%n{0}{}\\x00", "<|endoftext|>", "</s><s>",
+    "{{ raise_exception('x') }}", "{% for x in range(10**9) %}x{% endfor %}", "../../etc/passwd",
+)
+
+
+def weighted(*choices: tuple[int, st.SearchStrategy]) -> st.SearchStrategy:
+    """One of `choices`, drawn with the given integer weights (hypothesis' one_of has no weights)."""
+    total = sum(w for w, _ in choices)
+
+    def pick(r: int) -> st.SearchStrategy:
+        for w, strategy in choices:
+            if r < w:
+                return strategy
+            r -= w
+        raise AssertionError(r)
+
+    return st.integers(0, total - 1).flatmap(pick)
+
+
+def integers(low: int, high: int) -> st.SearchStrategy[int]:
+    """The whole range, with its ends, zero and small numbers and their negatives drawn often."""
+    edges = sorted({v for v in (low, low + 1, high - 1, high, 0, 1, -1, 2, 3, 7, 8, 64, 65) if low <= v <= high})
+    return st.one_of(st.sampled_from(edges), st.integers(low, high), st.integers(max(low, -100), min(high, 100)))
+
+
+def floats(width: int) -> st.SearchStrategy[float]:
+    """Any float of the field's width, NaN and the infinities included, with its extremes and subnormals."""
+    largest = FLOAT32_MAX if width == 32 else 1.7976931348623157e308
+    tiny = 1.401298464324817e-45 if width == 32 else 5e-324
+    edges = [0.0, -0.0, 1.0, -1.0, 0.5, 2.0, math.nan, math.inf, -math.inf, largest, -largest, tiny, -tiny]
+    return st.one_of(st.sampled_from(edges), st.floats(width=width), st.floats(-4, 4, width=width))
+
+
+def texts() -> st.SearchStrategy[str]:
+    """Odd Unicode (controls, bidi overrides, combining runs, astral planes, template syntax), random text, huge."""
+    huge = st.builds(lambda s, n: (s or "x") * (n // max(1, len(s or "x"))), st.sampled_from(ODD_TEXT + ("ab",)),
+                     st.sampled_from(HUGE_CHARS))
+    return weighted((4, st.sampled_from(ODD_TEXT)), (6, st.text(max_size=64)), (1, huge))
+
+
+def blobs() -> st.SearchStrategy[bytes]:
+    huge = st.builds(lambda b, n: (b or b"\xff") * n, st.binary(min_size=1, max_size=4), st.sampled_from(HUGE_CHARS))
+    return weighted((8, st.binary(max_size=256)), (1, huge))
+
+
+SCALARS: dict[int, Callable[[], st.SearchStrategy]] = {
+    FieldDescriptor.TYPE_INT32: lambda: integers(*INT32),
+    FieldDescriptor.TYPE_SINT32: lambda: integers(*INT32),
+    FieldDescriptor.TYPE_SFIXED32: lambda: integers(*INT32),
+    FieldDescriptor.TYPE_INT64: lambda: integers(*INT64),
+    FieldDescriptor.TYPE_SINT64: lambda: integers(*INT64),
+    FieldDescriptor.TYPE_SFIXED64: lambda: integers(*INT64),
+    FieldDescriptor.TYPE_UINT32: lambda: integers(*UINT32),
+    FieldDescriptor.TYPE_FIXED32: lambda: integers(*UINT32),
+    FieldDescriptor.TYPE_UINT64: lambda: integers(*UINT64),
+    FieldDescriptor.TYPE_FIXED64: lambda: integers(*UINT64),
+    FieldDescriptor.TYPE_FLOAT: lambda: floats(32),
+    FieldDescriptor.TYPE_DOUBLE: lambda: floats(64),
+    FieldDescriptor.TYPE_BOOL: st.booleans,
+    FieldDescriptor.TYPE_STRING: texts,
+    FieldDescriptor.TYPE_BYTES: blobs,
+}
+
+
+# --- targeted values --------------------------------------------------------------------------------------------
+
+
+def png(width: int, height: int, mode: str = "RGB", fmt: str = "PNG", seed: int = 0) -> bytes:
+    """A real image file of that size and mode, with noisy pixels."""
+    noise = bytes((seed * 7919 + i * 104729) % 256 for i in range(width * height * 4))
+    image = Image.frombytes("RGBA", (width, height), noise).convert(mode)
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A 1x1 PNG whose header claims width x height pixels (a decompression bomb's header, CRC fixed)."""
+    data = bytearray(png(1, 1))
+    ihdr = 8 + 8  # signature, then length + b"IHDR"
+    data[ihdr: ihdr + 8] = struct.pack(">II", width, height)
+    data[ihdr + 13: ihdr + 17] = struct.pack(">I", zlib.crc32(bytes(data[ihdr - 4: ihdr + 13])))
+    return bytes(data)
+
+
+EPS = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 32 32\nshowpage\n"
+
+
+@st.composite
+def image_bytes(draw: st.DrawFn) -> bytes:
+    """Valid PNGs of the served size and others, other formats and modes, truncated, bit-flipped, bombs, junk."""
+    size = draw(weighted((6, st.just(32)), (1, st.sampled_from([1, 8, 31, 33, 64, 256]))))
+    kind = draw(weighted((12, st.just("png")), (2, st.just("mode")), (2, st.just("format")),
+                         (1, st.sampled_from(["truncated", "flipped", "bomb", "junk"]))))
+    seed = draw(st.integers(0, 1000))
+    if kind == "png":
+        return png(size, size, seed=seed)
+    if kind == "mode":
+        return png(size, size, draw(st.sampled_from(["RGBA", "L", "LA", "P", "1", "I;16"])), seed=seed)
+    if kind == "format":
+        fmt = draw(st.sampled_from(["JPEG", "GIF", "BMP", "TIFF", "WEBP", "ICO", "PPM", "EPS"]))
+        return EPS if fmt == "EPS" else png(size, size, fmt=fmt, seed=seed)
+    good = png(size, size, seed=seed)
+    if kind == "truncated":
+        return good[: draw(st.integers(0, len(good) - 1))]
+    if kind == "flipped":
+        data = bytearray(good)
+        for index in draw(st.lists(st.integers(0, len(data) - 1), min_size=1, max_size=8)):
+            data[index] ^= draw(st.integers(1, 255))
+        return bytes(data)
+    if kind == "bomb":
+        return png_claiming(*draw(st.sampled_from([(100_000, 100_000), (65_535, 1), (1025, 1024), (2**31 - 1, 1)])))
+    return draw(st.binary(max_size=4096))
+
+
+@st.composite
+def tensors(draw: st.DrawFn) -> dict[str, Any]:
+    """Latents: the served shape (N, 4, 8, 8) and near misses, every dtype name and some others, data of the right
+    size with random values (NaN/inf included) or of a wrong size."""
+    n = draw(weighted((8, st.integers(1, 4)), (1, st.sampled_from([0, 64, 65, -1]))))
+    shape = draw(weighted(
+        (12, st.just([n, 4, 8, 8])),
+        (3, st.sampled_from([[n, 4, 16, 16], [n, 3, 8, 8], [4, 8, 8], [n, 4, 8, 8, 1]])),
+        (2, st.lists(integers(*INT32), max_size=6)),
+    ))
+    dtype = draw(weighted((8, st.sampled_from(["float32", "", "float16", "bfloat16"])),
+                          (1, st.sampled_from(["float64", "int8", "FLOAT32", "\x00"]))))
+    width = {"float16": 2, "bfloat16": 2}.get(dtype, 4)
+    count = math.prod(shape) if shape and all(0 < d < 2**16 for d in shape) else 0
+    if draw(weighted((6, st.just(True)), (1, st.just(False)))) and 0 < count <= 64 * 4 * 16 * 16:
+        rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+        values = (rng.standard_normal(count) * draw(st.sampled_from([1.0, 1e-3, 1e3, 1e30]))).astype("<f4")
+        for index in draw(st.lists(st.integers(0, count - 1), max_size=3)):  # a few hostile values among them
+            values[index] = draw(st.sampled_from([math.nan, math.inf, -math.inf, FLOAT32_MAX]))
+        data = values.tobytes()
+        if width == 2:  # the top half of each float32: bfloat16 exactly, float16 as arbitrary bit patterns
+            data = values.view("<u2")[1::2].tobytes()
+    else:
+        data = draw(st.binary(max_size=4096))
+    return {"shape": shape, "dtype": dtype, "data": data}
+
+
+JSON_SCHEMAS = (
+    '{"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"]}',
+    '{"type": "integer", "minimum": 0, "maximum": 9}',
+    '{"type": "string", "enum": ["red", "green", "blue"]}',
+    '{"type": "array", "items": {"type": "boolean"}, "maxItems": 3}',
+    '{"type": "string", "pattern": "^[a-z]{1,5}$"}',
+    '{"type": "string", "minLength": 1000000}',
+    '{"type": "array", "minItems": 100000, "items": {"type": "integer"}}',
+    '{"type": "string", "pattern": "(a|b){0,100000}"}',
+    '{"$ref": "#/definitions/missing"}',
+    '{"$ref": "#"}',
+    '{"type": "object", "properties": {"a": {"$ref": "#"}}}',
+    '{"allOf": [{"type": "string"}, {"type": "integer"}]}',
+    '{"type": "object", "additionalProperties": false, "properties": {}}',
+    '{"type": "number", "multipleOf": 0}',
+    '{"type": ["string", "null"]}',
+    '{"type": "unknown-type"}',
+    '{"enum": []}',
+    '{"type": "object", "patternProperties": {"^x": {"type": "integer"}}}',
+    "{}", "[]", "null", "1", '"x"', "{", "{\"type\": \"object\"", "\x00",
+)
+
+
+def nested_schema(depth: int) -> str:
+    return '{"type": "object", "properties": {"a": ' * depth + '{"type": "integer"}' + "}}" * depth
+
+
+REGEXES = (
+    "[a-z]{1,8}", "yes|no", r"\d{3}-\d{4}", "(ab)+", ".*", "", "(", "[", "a**", r"(a)\1", "(?=a)a", "(?<=a)b",
+    "a{1000}", "a{100000}", "(a|b){0,10000}", "[^x]{500}", "(a*)*b", "((a+)+)+$", r"\p{L}+", r"\b\w+\b", "^$", "$^",
+    "[\x00-\U0010ffff]+", "\\", "(?P<n>x)(?P=n)", "a{2,1}", "x" * 1024,
+)
+
+
+def targeted() -> dict[str, st.SearchStrategy]:
+    """Field full name -> values that reach past validation or probe what the descriptor cannot tell."""
+    small = st.integers
+    return {
+        "genserve.v1.Image.png": image_bytes(),
+        "genserve.v1.ChatMessage.role": weighted((8, st.sampled_from(["system", "user", "assistant"])),
+                                                 (1, st.sampled_from(["tool", "USER", ""]))),
+        "genserve.v1.TextRequest.prompt": weighted((12, st.sampled_from(["Once upon a time", "hi", "1 2 3"])),
+                                                   (1, st.just("a " * 8000)), (1, st.just("x" * 16_385))),
+        "genserve.v1.TextRequest.max_tokens": weighted((40, small(1, 8)), (1, st.sampled_from([1024, 1025]))),
+        "genserve.v1.TextRequest.temperature": st.floats(0, 2, width=32),
+        "genserve.v1.TextRequest.top_p": st.floats(0, 1, width=32),
+        "genserve.v1.TextRequest.top_k": small(0, 1001),
+        "genserve.v1.TextRequest.min_p": st.floats(0, 1, width=32),
+        "genserve.v1.TextRequest.repetition_penalty": st.floats(0, 10, width=32),
+        "genserve.v1.TextRequest.presence_penalty": st.floats(-2, 2, width=32),
+        "genserve.v1.TextRequest.frequency_penalty": st.floats(-2, 2, width=32),
+        "genserve.v1.TextRequest.logprobs": small(0, 6),
+        "genserve.v1.TextRequest.stop": st.lists(st.sampled_from(["\n", ".", "the", "x" * 64, "x" * 65, ""]),
+                                                 max_size=5),
+        "genserve.v1.TextRequest.json_schema": st.one_of(st.sampled_from(JSON_SCHEMAS),
+                                                         st.sampled_from([1, 8, 64, 1000]).map(nested_schema)),
+        "genserve.v1.TextRequest.regex": st.sampled_from(REGEXES),
+        "genserve.v1.GanSampleRequest.num_images": small(1, 4),
+        "genserve.v1.GanSampleRequest.truncation": st.floats(0, 5, width=32),
+        "genserve.v1.GanInterpolateRequest.steps": weighted((20, small(2, 6)), (1, st.sampled_from([64, 65]))),
+        "genserve.v1.GanInterpolateRequest.truncation": st.floats(0, 5, width=32),
+        "genserve.v1.DiffusionRequest.prompt": weighted((10, st.sampled_from(["a red circle", "two blue squares"])),
+                                                        (1, st.sampled_from(["x" * 200, "x" * 201]))),
+        "genserve.v1.DiffusionRequest.num_images": weighted((20, small(1, 2)), (1, st.sampled_from([8, 9]))),
+        "genserve.v1.DiffusionRequest.steps": weighted((20, small(1, 3)), (1, st.sampled_from([200, 201]))),
+        "genserve.v1.DiffusionRequest.guidance_scale": st.floats(-1, 21, width=32),
+        "genserve.v1.DiffusionRequest.scheduler": st.sampled_from(["", "ddpm", "ddim", "dpmpp_2m", "euler", "DDIM",
+                                                                   "lms"]),
+        "genserve.v1.DiffusionRequest.eta": st.floats(-0.5, 1.5, width=32),
+        "genserve.v1.DiffusionRequest.preview_every": small(0, 3),
+        "genserve.v1.DiffusionRequest.width": st.sampled_from([32, 16, 24, 64, 8, 33, 1024, 4096]),
+        "genserve.v1.DiffusionRequest.height": st.sampled_from([32, 16, 24, 64, 8, 33, 1024, 4096]),
+    }
+
+
+TARGETED_MESSAGES = {"genserve.v1.Tensor": tensors}
+# How often a field is set (default 1/2): a prompt most of the time, a grammar rarely (at most one is allowed).
+PRESENCE = {
+    "genserve.v1.Image.png": 0.95,
+    "genserve.v1.DiffusionRequest.prompt": 0.95,
+    "genserve.v1.TextRequest.prompt": 0.6,
+    "genserve.v1.TextRequest.messages": 0.4,
+    "genserve.v1.TextRequest.json_schema": 0.1,
+    "genserve.v1.TextRequest.regex": 0.1,
+    "genserve.v1.TokenizeRequest.text": 0.6,
+    "genserve.v1.TokenizeRequest.messages": 0.4,
+}
+
+
+# --- the descriptor walk ----------------------------------------------------------------------------------------
+
+
+def approx_size(value: Any) -> int:
+    """Bytes a drawn value takes on the wire, roughly (strings, bytes and lists dominate)."""
+    if isinstance(value, str | bytes):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(approx_size(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(approx_size(v) for v in value)
+    return 8
+
+
+def repeated(element: st.SearchStrategy) -> st.SearchStrategy[list]:
+    """Empty, a few, or huge: one element repeated (no generation time), as many times as fit HUGE_BYTES."""
+    huge = st.builds(lambda x, n: [x] * min(n, max(1, HUGE_BYTES // (approx_size(x) + 1))), element,
+                     st.sampled_from(HUGE_COUNTS))
+    return weighted((10, st.lists(element, min_size=1, max_size=6)), (6, st.just([])), (1, huge))
+
+
+def field_value(field: FieldDescriptor, depth: int, overrides: dict[str, st.SearchStrategy]) -> st.SearchStrategy:
+    """A value for one (non-repeated) element of `field`: the generic one, or a targeted one where there is."""
+    if field.type == FieldDescriptor.TYPE_MESSAGE:
+        generic = fields_strategy(field.message_type, depth + 1, overrides)
+        special = TARGETED_MESSAGES.get(field.message_type.full_name)
+        return generic if special is None else weighted((3, special()), (1, generic))
+    if field.type == FieldDescriptor.TYPE_ENUM:
+        numbers = [v.number for v in field.enum_type.values]
+        return st.one_of(st.sampled_from(numbers), integers(*INT32))
+    generic = SCALARS[field.type]()
+    special = overrides.get(field.full_name)
+    return generic if special is None else weighted((3, special), (1, generic))
+
+
+def is_map(field: FieldDescriptor) -> bool:
+    return field.type == FieldDescriptor.TYPE_MESSAGE and field.message_type.GetOptions().map_entry
+
+
+@st.composite
+def _fields(draw: st.DrawFn, descriptor: Descriptor, depth: int, overrides: dict[str, st.SearchStrategy]) -> dict:
+    """A dict of field name -> value (nested messages as dicts); unset fields are absent."""
+    out: dict[str, Any] = {}
+    oneof_choice = {o.name: draw(st.sampled_from([None, *(f.name for f in o.fields)]))
+                    for o in descriptor.oneofs if not o.name.startswith("_")}  # "_x": proto3 `optional`
+    for field in descriptor.fields:
+        oneof = field.containing_oneof
+        if oneof is not None and not oneof.name.startswith("_") and oneof_choice[oneof.name] != field.name:
+            continue
+        if depth >= MAX_DEPTH and field.type == FieldDescriptor.TYPE_MESSAGE:
+            continue
+        if is_map(field):
+            key = field_value(field.message_type.fields_by_name["key"], depth, overrides)
+            value = field_value(field.message_type.fields_by_name["value"], depth, overrides)
+            out[field.name] = draw(st.dictionaries(key, value, max_size=4))
+        elif field.is_repeated:
+            if draw(st.integers(0, 99)) >= 100 * PRESENCE.get(field.full_name, 1.0):
+                continue
+            special = overrides.get(field.full_name)
+            element = field_value(field, depth, overrides)
+            out[field.name] = draw(repeated(element) if special is None else weighted((3, special),
+                                                                                       (1, repeated(element))))
+        elif draw(st.integers(0, 99)) >= 100 * PRESENCE.get(field.full_name, 0.5):  # unset: absent or default
+            continue
+        else:
+            out[field.name] = draw(field_value(field, depth, overrides))
+    return out
+
+
+def fields_strategy(descriptor: Descriptor, depth: int = 0,
+                    overrides: dict[str, st.SearchStrategy] | None = None) -> st.SearchStrategy[dict]:
+    return _fields(descriptor, depth, targeted() if overrides is None else overrides)
+
+
+def build(message_class: type[Message], values: dict[str, Any]) -> Message:
+    """The message with these field values (nested dicts become messages); values protobuf refuses to hold (a
+    float beyond float32, say) are left out, as a client could not send them either."""
+    message = message_class()
+    for name, value in values.items():
+        field = message.DESCRIPTOR.fields_by_name[name]
+        target = getattr(message, name)
+        try:
+            if is_map(field):
+                _fill_map(target, field, value)
+            elif field.type == FieldDescriptor.TYPE_MESSAGE and field.is_repeated:
+                element = GetMessageClass(field.message_type)
+                for item in value:
+                    target.add().CopyFrom(build(element, item))
+            elif field.type == FieldDescriptor.TYPE_MESSAGE:
+                target.CopyFrom(build(GetMessageClass(field.message_type), value))
+            elif field.is_repeated:
+                target.extend(value)
+            else:
+                setattr(message, name, value)
+        except (ValueError, TypeError, OverflowError):
+            message.ClearField(name)
+    return message
+
+
+def _fill_map(target: Any, field: FieldDescriptor, values: dict) -> None:
+    value_field = field.message_type.fields_by_name["value"]
+    for key, value in values.items():
+        if value_field.type == FieldDescriptor.TYPE_MESSAGE:
+            target[key].CopyFrom(build(GetMessageClass(value_field.message_type), value))
+        else:
+            target[key] = value
+
+
+def request_strategy(message_class: type[Message]) -> st.SearchStrategy[Message]:
+    """Requests of `message_class`, every field fuzzed (see the module docstring)."""
+    return fields_strategy(message_class.DESCRIPTOR).map(lambda values: build(message_class, values))
+
+
+def field_names(descriptor: Descriptor, prefix: str = "", depth: int = 0) -> Sequence[str]:
+    """Every field path of a message (`images.png`), nested messages down to MAX_DEPTH: what a run must cover."""
+    names: list[str] = []
+    for field in descriptor.fields:
+        path = f"{prefix}{field.name}"
+        names.append(path)
+        if field.type == FieldDescriptor.TYPE_MESSAGE and not is_map(field) and depth + 1 < MAX_DEPTH:
+            names += field_names(field.message_type, path + ".", depth + 1)
+    return names
