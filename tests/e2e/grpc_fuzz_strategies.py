@@ -12,10 +12,12 @@ that cost the most (1024 tokens, 200 denoising steps) come rarely, so a run of t
 from __future__ import annotations
 
 import io
+import json
 import math
 import struct
 import zlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -45,6 +47,12 @@ ODD_TEXT = (
 )
 
 
+def _uniform(n: int) -> st.SearchStrategy[int]:
+    """0..n-1 uniformly. Inside large messages hypothesis repeats some choices far more often than their share (it
+    copies choices between spans); structural picks go through a seeded Random so each branch gets its weight."""
+    return st.randoms(use_true_random=True).map(lambda r: r.randrange(n))
+
+
 def weighted(*choices: tuple[int, st.SearchStrategy]) -> st.SearchStrategy:
     """One of `choices`, drawn with the given integer weights (hypothesis' one_of has no weights)."""
     total = sum(w for w, _ in choices)
@@ -56,13 +64,18 @@ def weighted(*choices: tuple[int, st.SearchStrategy]) -> st.SearchStrategy:
             r -= w
         raise AssertionError(r)
 
-    return st.integers(0, total - 1).flatmap(pick)
+    return _uniform(total).flatmap(pick)
+
+
+def chance(p: float) -> st.SearchStrategy[bool]:
+    return _uniform(1000).map(lambda r: r < 1000 * p)
 
 
 def integers(low: int, high: int) -> st.SearchStrategy[int]:
     """The whole range, with its ends, zero and small numbers and their negatives drawn often."""
     edges = sorted({v for v in (low, low + 1, high - 1, high, 0, 1, -1, 2, 3, 7, 8, 64, 65) if low <= v <= high})
-    return st.one_of(st.sampled_from(edges), st.integers(low, high), st.integers(max(low, -100), min(high, 100)))
+    return weighted((2, st.sampled_from(edges)), (2, st.integers(low, high)),
+                    (1, st.integers(max(low, -100), min(high, 100))))
 
 
 def floats(width: int) -> st.SearchStrategy[float]:
@@ -70,7 +83,7 @@ def floats(width: int) -> st.SearchStrategy[float]:
     largest = FLOAT32_MAX if width == 32 else 1.7976931348623157e308
     tiny = 1.401298464324817e-45 if width == 32 else 5e-324
     edges = [0.0, -0.0, 1.0, -1.0, 0.5, 2.0, math.nan, math.inf, -math.inf, largest, -largest, tiny, -tiny]
-    return st.one_of(st.sampled_from(edges), st.floats(width=width), st.floats(-4, 4, width=width))
+    return weighted((3, st.sampled_from(edges)), (2, st.floats(width=width)), (1, st.floats(-4, 4, width=width)))
 
 
 def texts() -> st.SearchStrategy[str]:
@@ -201,6 +214,8 @@ JSON_SCHEMAS = (
     '{"type": "unknown-type"}',
     '{"enum": []}',
     '{"type": "object", "patternProperties": {"^x": {"type": "integer"}}}',
+    '{"type": "integer", "minimum": 1e400}', '{"type": "number", "maximum": NaN}',
+    '{"type": "string", "maxLength": -1}',
     "{}", "[]", "null", "1", '"x"', "{", "{\"type\": \"object\"", "\x00",
 )
 
@@ -209,11 +224,54 @@ def nested_schema(depth: int) -> str:
     return '{"type": "object", "properties": {"a": ' * depth + '{"type": "integer"}' + "}}" * depth
 
 
+SCHEMA_KEYS = (
+    "type", "properties", "items", "prefixItems", "required", "enum", "const", "anyOf", "oneOf", "allOf", "not", "$ref",
+    "$defs", "definitions", "pattern", "format", "minLength", "maxLength", "minimum", "maximum", "exclusiveMinimum",
+    "multipleOf", "minItems", "maxItems", "uniqueItems", "additionalProperties", "patternProperties", "if", "then",
+)
+SCHEMA_WORDS = ("object", "array", "string", "integer", "number", "boolean", "null", "#", "#/$defs/a",
+                "#/properties/a", "date-time", "email", "uuid", "^[a-z]+$", "(a|b){0,99999}")
+
+
+def json_values() -> st.SearchStrategy:
+    """JSON documents built from JSON Schema's words: nested keywords, odd bounds (NaN, 1e308, 2**70), refs."""
+    leaves = st.one_of(st.none(), st.booleans(), st.sampled_from(SCHEMA_WORDS), integers(-(2**70), 2**70),
+                       floats(64), st.text(max_size=8))
+    keys = st.one_of(st.sampled_from(SCHEMA_KEYS), st.sampled_from(SCHEMA_KEYS), st.text(max_size=6))
+    return st.recursive(leaves, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(keys, inner, max_size=5),
+                        max_leaves=24)
+
+
+def json_schemas() -> st.SearchStrategy[str]:
+    """Hand-picked schemas, generated ones, and containers nested past any parser's recursion."""
+    generated = st.dictionaries(st.sampled_from(SCHEMA_KEYS), json_values(), max_size=5).map(json.dumps)
+    deep = st.one_of(st.integers(1, 8000).map(lambda d: "[" * d + "]" * d),
+                     st.integers(1, 1000).map(lambda d: '{"anyOf": [' * d + "{}" + "]}" * d),
+                     st.sampled_from([1, 8, 63, 64, 65, 200, 400]).map(nested_schema))
+    return weighted((6, st.sampled_from(JSON_SCHEMAS)), (6, generated), (2, deep))
+
+
 REGEXES = (
     "[a-z]{1,8}", "yes|no", r"\d{3}-\d{4}", "(ab)+", ".*", "", "(", "[", "a**", r"(a)\1", "(?=a)a", "(?<=a)b",
     "a{1000}", "a{100000}", "(a|b){0,10000}", "[^x]{500}", "(a*)*b", "((a+)+)+$", r"\p{L}+", r"\b\w+\b", "^$", "$^",
-    "[\x00-\U0010ffff]+", "\\", "(?P<n>x)(?P=n)", "a{2,1}", "x" * 1024,
+    "[\x00-\U0010ffff]+", "\\", "(?P<n>x)(?P=n)", "a{2,1}", "x" * 1024, ".{0,4294967295}", "a{4294967296}",
 )
+REGEX_ATOMS = ("a", "b", ".", r"\d", r"\w", r"\s", "[a-z]", "[^x]", "[\u0000-\uffff]", "\\", "(", ")", "[", "^", "$",
+               "é", "\U0001f600", "\\x00", "\\n", "\\p{L}", "|", "{")
+REGEX_REPEATS = ("*", "+", "?", "*?", "+?", "{0}", "{1,3}", "{1000}", "{0,65535}", "{2,1}", "{4294967295}",
+                 "{4294967296}", "{,5}", "{3,}")
+
+
+def regexes() -> st.SearchStrategy[str]:
+    """Hand-picked patterns, random ones from a small regex grammar (repeats up to 2**32), and deep nesting."""
+    generated = st.recursive(st.sampled_from(REGEX_ATOMS), lambda r: st.one_of(
+        st.tuples(r, r).map("".join),
+        st.tuples(r, r).map("|".join),
+        r.map(lambda x: f"({x})"), r.map(lambda x: f"(?:{x})"), r.map(lambda x: f"(?={x})"),
+        st.tuples(r, st.sampled_from(REGEX_REPEATS)).map("".join),
+    ), max_leaves=16)
+    deep = st.integers(1, 520).map(lambda d: "(" * d + "a" + ")" * d)
+    return weighted((4, st.sampled_from(REGEXES)), (8, generated), (1, deep))
 
 
 def targeted() -> dict[str, st.SearchStrategy]:
@@ -221,8 +279,10 @@ def targeted() -> dict[str, st.SearchStrategy]:
     small = st.integers
     return {
         "genserve.v1.Image.png": image_bytes(),
-        "genserve.v1.ChatMessage.role": weighted((8, st.sampled_from(["system", "user", "assistant"])),
+        "genserve.v1.ChatMessage.role": weighted((30, st.sampled_from(["system", "user", "assistant"])),
                                                  (1, st.sampled_from(["tool", "USER", ""]))),
+        "genserve.v1.TokenizeRequest.text": weighted((12, st.sampled_from(["Once upon a time", "hi", "1 2 3"])),
+                                                     (1, st.just("x" * 16_385))),
         "genserve.v1.TextRequest.prompt": weighted((12, st.sampled_from(["Once upon a time", "hi", "1 2 3"])),
                                                    (1, st.just("a " * 8000)), (1, st.just("x" * 16_385))),
         "genserve.v1.TextRequest.max_tokens": weighted((40, small(1, 8)), (1, st.sampled_from([1024, 1025]))),
@@ -234,11 +294,12 @@ def targeted() -> dict[str, st.SearchStrategy]:
         "genserve.v1.TextRequest.presence_penalty": st.floats(-2, 2, width=32),
         "genserve.v1.TextRequest.frequency_penalty": st.floats(-2, 2, width=32),
         "genserve.v1.TextRequest.logprobs": small(0, 6),
-        "genserve.v1.TextRequest.stop": st.lists(st.sampled_from(["\n", ".", "the", "x" * 64, "x" * 65, ""]),
-                                                 max_size=5),
-        "genserve.v1.TextRequest.json_schema": st.one_of(st.sampled_from(JSON_SCHEMAS),
-                                                         st.sampled_from([1, 8, 64, 1000]).map(nested_schema)),
-        "genserve.v1.TextRequest.regex": st.sampled_from(REGEXES),
+        "genserve.v1.TextRequest.stop": weighted(
+            (8, st.lists(st.sampled_from(["\n", ".", "the", "x" * 64]), max_size=4)),
+            (1, st.lists(st.sampled_from(["", "x" * 65, "."]), max_size=5)),
+        ),
+        "genserve.v1.TextRequest.json_schema": json_schemas(),
+        "genserve.v1.TextRequest.regex": regexes(),
         "genserve.v1.GanSampleRequest.num_images": small(1, 4),
         "genserve.v1.GanSampleRequest.truncation": st.floats(0, 5, width=32),
         "genserve.v1.GanInterpolateRequest.steps": weighted((20, small(2, 6)), (1, st.sampled_from([64, 65]))),
@@ -269,6 +330,13 @@ PRESENCE = {
     "genserve.v1.TokenizeRequest.text": 0.6,
     "genserve.v1.TokenizeRequest.messages": 0.4,
 }
+# Fields of which a valid request sets exactly one (what a proto3 `oneof` would say, had the protocol used one):
+# a plausible request sets one of each group.
+EXCLUSIVE = (
+    ("genserve.v1.TextRequest.prompt", "genserve.v1.TextRequest.messages"),
+    ("genserve.v1.TokenizeRequest.text", "genserve.v1.TokenizeRequest.messages"),
+    ("genserve.v1.TextRequest.json_schema", "genserve.v1.TextRequest.regex", ""),
+)
 
 
 # --- the descriptor walk ----------------------------------------------------------------------------------------
@@ -292,18 +360,33 @@ def repeated(element: st.SearchStrategy) -> st.SearchStrategy[list]:
     return weighted((10, st.lists(element, min_size=1, max_size=6)), (6, st.just([])), (1, huge))
 
 
-def field_value(field: FieldDescriptor, depth: int, overrides: dict[str, st.SearchStrategy]) -> st.SearchStrategy:
-    """A value for one (non-repeated) element of `field`: the generic one, or a targeted one where there is."""
-    if field.type == FieldDescriptor.TYPE_MESSAGE:
-        generic = fields_strategy(field.message_type, depth + 1, overrides)
-        special = TARGETED_MESSAGES.get(field.message_type.full_name)
-        return generic if special is None else weighted((3, special()), (1, generic))
-    if field.type == FieldDescriptor.TYPE_ENUM:
-        numbers = [v.number for v in field.enum_type.values]
-        return st.one_of(st.sampled_from(numbers), integers(*INT32))
-    generic = SCALARS[field.type]()
-    special = overrides.get(field.full_name)
-    return generic if special is None else weighted((3, special), (1, generic))
+@dataclass(frozen=True)
+class Walk:
+    """How a message's fields are drawn: `targeted` values by field full name; `plausible` draws only the targeted
+    values where a field has them (most of them valid), so that a share of requests reaches the models."""
+
+    targeted: dict[str, st.SearchStrategy]
+    plausible: bool
+
+    def pick(self, special: st.SearchStrategy | None, generic: st.SearchStrategy) -> st.SearchStrategy:
+        if special is None:
+            return generic
+        return special if self.plausible else weighted((1, special), (1, generic))
+
+    def value(self, field: FieldDescriptor, depth: int) -> st.SearchStrategy:
+        """A value for one (non-repeated) element of `field`."""
+        if field.type == FieldDescriptor.TYPE_MESSAGE:
+            special = TARGETED_MESSAGES.get(field.message_type.full_name)
+            return self.pick(special and special(), _fields(field.message_type, depth + 1, self))
+        if field.type == FieldDescriptor.TYPE_ENUM:
+            numbers = [v.number for v in field.enum_type.values]
+            return st.one_of(st.sampled_from(numbers), integers(*INT32))
+        return self.pick(self.targeted.get(field.full_name), SCALARS[field.type]())
+
+    def values(self, field: FieldDescriptor, depth: int) -> st.SearchStrategy[list]:
+        element = self.value(field, depth)
+        lists = st.lists(element, min_size=1, max_size=6) if self.plausible else repeated(element)
+        return self.pick(self.targeted.get(field.full_name), lists)
 
 
 def is_map(field: FieldDescriptor) -> bool:
@@ -311,9 +394,13 @@ def is_map(field: FieldDescriptor) -> bool:
 
 
 @st.composite
-def _fields(draw: st.DrawFn, descriptor: Descriptor, depth: int, overrides: dict[str, st.SearchStrategy]) -> dict:
+def _fields(draw: st.DrawFn, descriptor: Descriptor, depth: int, walk: Walk) -> dict:
     """A dict of field name -> value (nested messages as dicts); unset fields are absent."""
     out: dict[str, Any] = {}
+    presence = dict(PRESENCE)
+    for group in EXCLUSIVE if walk.plausible else ():
+        chosen = draw(st.sampled_from(group))
+        presence |= {name: float(name == chosen) for name in group if name.startswith(descriptor.full_name + ".")}
     oneof_choice = {o.name: draw(st.sampled_from([None, *(f.name for f in o.fields)]))
                     for o in descriptor.oneofs if not o.name.startswith("_")}  # "_x": proto3 `optional`
     for field in descriptor.fields:
@@ -323,26 +410,22 @@ def _fields(draw: st.DrawFn, descriptor: Descriptor, depth: int, overrides: dict
         if depth >= MAX_DEPTH and field.type == FieldDescriptor.TYPE_MESSAGE:
             continue
         if is_map(field):
-            key = field_value(field.message_type.fields_by_name["key"], depth, overrides)
-            value = field_value(field.message_type.fields_by_name["value"], depth, overrides)
+            key = walk.value(field.message_type.fields_by_name["key"], depth)
+            value = walk.value(field.message_type.fields_by_name["value"], depth)
             out[field.name] = draw(st.dictionaries(key, value, max_size=4))
         elif field.is_repeated:
-            if draw(st.integers(0, 99)) >= 100 * PRESENCE.get(field.full_name, 1.0):
-                continue
-            special = overrides.get(field.full_name)
-            element = field_value(field, depth, overrides)
-            out[field.name] = draw(repeated(element) if special is None else weighted((3, special),
-                                                                                       (1, repeated(element))))
-        elif draw(st.integers(0, 99)) >= 100 * PRESENCE.get(field.full_name, 0.5):  # unset: absent or default
-            continue
-        else:
-            out[field.name] = draw(field_value(field, depth, overrides))
+            if draw(chance(presence.get(field.full_name, 1.0))):
+                out[field.name] = draw(walk.values(field, depth))
+        elif draw(chance(presence.get(field.full_name, 0.5))):  # else unset: absent, or the default
+            out[field.name] = draw(walk.value(field, depth))
     return out
 
 
-def fields_strategy(descriptor: Descriptor, depth: int = 0,
-                    overrides: dict[str, st.SearchStrategy] | None = None) -> st.SearchStrategy[dict]:
-    return _fields(descriptor, depth, targeted() if overrides is None else overrides)
+def fields_strategy(descriptor: Descriptor, targeted_values: dict[str, st.SearchStrategy] | None = None
+                    ) -> st.SearchStrategy[dict]:
+    """Field values for a `descriptor` message: half the time anything, half the time plausible (see Walk)."""
+    values = targeted() if targeted_values is None else targeted_values
+    return st.booleans().flatmap(lambda plausible: _fields(descriptor, 0, Walk(values, plausible)))
 
 
 def build(message_class: type[Message], values: dict[str, Any]) -> Message:
