@@ -32,7 +32,7 @@ from services.common.metrics import ServiceMetrics
 from services.common.rpc import streaming, unary, unknown_rpcs
 from services.common.validation import MAX_SEED, Request, parse, resolve_seed
 from services.text.engine import AsyncLLMEngine, Delta, EngineOverloaded, PromptTooLong, SamplingParams
-from services.text.engine.params import InvalidJsonSchema, InvalidRegex
+from services.text.engine.params import MIN_REPETITION_PENALTY, MIN_TEMPERATURE, InvalidJsonSchema, InvalidRegex
 from services.text.settings import TextArgs
 from services.text.tokenizer import NoChatTemplate
 
@@ -104,12 +104,19 @@ class TextIn(Request):
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOPS)
     min_p: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
-    repetition_penalty: float = Field(1.0, gt=0, le=10, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=10, allow_inf_nan=False)
     presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
     logprobs: int = Field(0, ge=0, le=MAX_LOGPROBS)
     json_schema: str = Field("", max_length=MAX_SCHEMA_CHARS)
     regex: str = Field("", max_length=MAX_REGEX_CHARS)
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_or_above_the_floor(cls, temperature: float) -> float:
+        if 0 < temperature < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+        return temperature
 
     @field_validator("json_schema")
     @classmethod

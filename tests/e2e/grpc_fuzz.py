@@ -25,6 +25,7 @@ from pathlib import Path
 
 import grpc
 from genserve.v1 import diffusion_pb2, gan_pb2, text_pb2, vae_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from google.protobuf.message import Message
 from google.protobuf.message_factory import GetMessageClass
 from hypothesis import HealthCheck, Phase, given, seed, settings
@@ -166,6 +167,7 @@ class Tally:
     slowest_s: float = 0.0
     bad: list[Outcome] = field(default_factory=list)
     restarts: int | None = None
+    health_after: str = ""
 
     @property
     def sent(self) -> int:
@@ -176,6 +178,18 @@ class Tally:
         self.slowest_s = max(self.slowest_s, outcome.seconds)
         if outcome.bad:
             self.bad.append(outcome)
+
+
+def health(address: str, app: str) -> str:
+    """The app's own grpc.health.v1 answer: the text app says NOT_SERVING once its engine loop has failed, before
+    Ray's health check replaces the replica."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30,
+                                                              metadata=(("application", app),))
+        except grpc.RpcError as error:
+            return error.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
 def fuzz_service(address: str, plan: list[tuple[Rpc, Message]], tally: Tally,
@@ -200,18 +214,21 @@ class Run:
             out += [f"{o.rpc}: {o.code} {o.details!r} <- {o.request}" for o in tally.bad]
             if tally.restarts:
                 out.append(f"{tally.app}: {tally.restarts} replica(s) replaced during the run")
+            if tally.health_after != "SERVING":
+                out.append(f"{tally.app}: health after the run is {tally.health_after}")
         return out
 
     def table(self) -> str:
         """Markdown: one row per service, one column per status code seen (INTERNAL always)."""
         codes = sorted({c for t in self.tallies.values() for c in t.codes} - {"OK", "INTERNAL"})
-        head = ["service", "sent", "OK", *codes, "INTERNAL", "leaky messages", "restarts", "slowest call (s)"]
+        head = ["service", "sent", "OK", *codes, "INTERNAL", "leaky messages", "restarts", "health after",
+                "slowest call (s)"]
         lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
         for tally in self.tallies.values():
             leaks = sum(o.leaks for o in tally.bad)
             restarts = "-" if tally.restarts is None else str(tally.restarts)
             cells = [tally.app, tally.sent, tally.codes["OK"], *(tally.codes[c] for c in codes),
-                     tally.codes["INTERNAL"], leaks, restarts, f"{tally.slowest_s:.1f}"]
+                     tally.codes["INTERNAL"], leaks, restarts, tally.health_after, f"{tally.slowest_s:.1f}"]
             lines.append("| " + " | ".join(map(str, cells)) + " |")
         return "\n".join(lines)
 
@@ -228,6 +245,8 @@ def fuzz(address: str, per_service: int, seed_value: int = 0, stack_pid: int | N
         futures = {app: pool.submit(fuzz_service, address, plans[app], Tally(app), progress) for app in apps}
         tallies = {app: future.result() for app, future in futures.items()}
     seconds = time.perf_counter() - start
+    for app, tally in tallies.items():
+        tally.health_after = health(address, app)
     if before is not None:
         after = pids_by_app(stack_pid)
         for app, tally in tallies.items():

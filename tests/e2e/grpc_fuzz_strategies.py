@@ -122,8 +122,8 @@ SCALARS: dict[int, Callable[[], st.SearchStrategy]] = {
 
 def png(width: int, height: int, mode: str = "RGB", fmt: str = "PNG", seed: int = 0) -> bytes:
     """A real image file of that size and mode, with noisy pixels."""
-    noise = bytes((seed * 7919 + i * 104729) % 256 for i in range(width * height * 4))
-    image = Image.frombytes("RGBA", (width, height), noise).convert(mode)
+    noise = np.random.default_rng(seed).integers(0, 256, (height, width, 4), dtype=np.uint8)
+    image = Image.fromarray(noise, "RGBA").convert(mode)
     buffer = io.BytesIO()
     image.save(buffer, format=fmt)
     return buffer.getvalue()
@@ -377,7 +377,7 @@ class Walk:
         """A value for one (non-repeated) element of `field`."""
         if field.type == FieldDescriptor.TYPE_MESSAGE:
             special = TARGETED_MESSAGES.get(field.message_type.full_name)
-            return self.pick(special and special(), _fields(field.message_type, depth + 1, self))
+            return self.pick(special and special(), message_fields(field.message_type, depth + 1, self))
         if field.type == FieldDescriptor.TYPE_ENUM:
             numbers = [v.number for v in field.enum_type.values]
             return st.one_of(st.sampled_from(numbers), integers(*INT32))
@@ -393,39 +393,52 @@ def is_map(field: FieldDescriptor) -> bool:
     return field.type == FieldDescriptor.TYPE_MESSAGE and field.message_type.GetOptions().map_entry
 
 
-@st.composite
-def _fields(draw: st.DrawFn, descriptor: Descriptor, depth: int, walk: Walk) -> dict:
-    """A dict of field name -> value (nested messages as dicts); unset fields are absent."""
-    out: dict[str, Any] = {}
-    presence = dict(PRESENCE)
-    for group in EXCLUSIVE if walk.plausible else ():
-        chosen = draw(st.sampled_from(group))
-        presence |= {name: float(name == chosen) for name in group if name.startswith(descriptor.full_name + ".")}
-    oneof_choice = {o.name: draw(st.sampled_from([None, *(f.name for f in o.fields)]))
-                    for o in descriptor.oneofs if not o.name.startswith("_")}  # "_x": proto3 `optional`
+def message_fields(descriptor: Descriptor, depth: int, walk: Walk) -> st.SearchStrategy[dict]:
+    """Dicts of field name -> value (nested messages as dicts; unset fields absent). Every strategy is built here,
+    once, so drawing a request only draws."""
+    plan: list[tuple[FieldDescriptor, float, st.SearchStrategy]] = []
     for field in descriptor.fields:
-        oneof = field.containing_oneof
-        if oneof is not None and not oneof.name.startswith("_") and oneof_choice[oneof.name] != field.name:
-            continue
         if depth >= MAX_DEPTH and field.type == FieldDescriptor.TYPE_MESSAGE:
             continue
         if is_map(field):
-            key = walk.value(field.message_type.fields_by_name["key"], depth)
-            value = walk.value(field.message_type.fields_by_name["value"], depth)
-            out[field.name] = draw(st.dictionaries(key, value, max_size=4))
+            entry = field.message_type.fields_by_name
+            strategy = st.dictionaries(walk.value(entry["key"], depth), walk.value(entry["value"], depth), max_size=4)
+            plan.append((field, 1.0, strategy))
         elif field.is_repeated:
-            if draw(chance(presence.get(field.full_name, 1.0))):
-                out[field.name] = draw(walk.values(field, depth))
-        elif draw(chance(presence.get(field.full_name, 0.5))):  # else unset: absent, or the default
-            out[field.name] = draw(walk.value(field, depth))
-    return out
+            plan.append((field, 1.0, walk.values(field, depth)))
+        else:
+            plan.append((field, 0.5, walk.value(field, depth)))
+    oneofs = {o.name: st.sampled_from([None, *(f.name for f in o.fields)])
+              for o in descriptor.oneofs if not o.name.startswith("_")}  # "_x": a proto3 `optional`
+    groups = [(g, st.sampled_from(g)) for g in EXCLUSIVE
+              if walk.plausible and g[0].startswith(descriptor.full_name + ".")]
+    chances = {p: chance(p) for p in {0.0, 1.0, *PRESENCE.values(), *(default for _, default, _ in plan)}}
+
+    @st.composite
+    def draw_fields(draw: st.DrawFn) -> dict:
+        presence = dict(PRESENCE)
+        for group, pick_one in groups:
+            chosen = draw(pick_one)
+            presence |= {name: float(name == chosen) for name in group if name}
+        chosen_members = {name: draw(strategy) for name, strategy in oneofs.items()}
+        out: dict[str, Any] = {}
+        for field, default, strategy in plan:
+            oneof = field.containing_oneof
+            if oneof is not None and oneof.name in oneofs and chosen_members[oneof.name] != field.name:
+                continue
+            if draw(chances[presence.get(field.full_name, default)]):  # else unset: absent, or the default
+                out[field.name] = draw(strategy)
+        return out
+
+    return draw_fields()
 
 
 def fields_strategy(descriptor: Descriptor, targeted_values: dict[str, st.SearchStrategy] | None = None
                     ) -> st.SearchStrategy[dict]:
     """Field values for a `descriptor` message: half the time anything, half the time plausible (see Walk)."""
     values = targeted() if targeted_values is None else targeted_values
-    return st.booleans().flatmap(lambda plausible: _fields(descriptor, 0, Walk(values, plausible)))
+    return st.one_of(message_fields(descriptor, 0, Walk(values, plausible=True)),
+                     message_fields(descriptor, 0, Walk(values, plausible=False)))
 
 
 def build(message_class: type[Message], values: dict[str, Any]) -> Message:

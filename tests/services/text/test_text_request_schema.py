@@ -8,6 +8,7 @@ from pydantic import ValidationError
 
 from services.common.validation import MAX_SEED
 from services.text.app import MAX_SCHEMA_DEPTH, TextIn, json_depth
+from services.text.engine.params import MIN_REPETITION_PENALTY, MIN_TEMPERATURE, SamplingParams
 
 
 def error_loc(**fields) -> tuple:
@@ -70,3 +71,20 @@ def test_a_repeat_count_python_cannot_hold_is_invalid(regex: str) -> None:
 
 def test_a_regex_nested_past_the_parser_recursion_is_invalid() -> None:
     assert error_message(regex="(" * 511 + ")" * 511) == "regex: Value error, nests too deeply"
+
+
+@pytest.mark.parametrize("field, value", [("temperature", 1.4e-45), ("temperature", 0.001),
+                                          ("repetition_penalty", 1.4e-45)])
+def test_a_divisor_small_enough_to_overflow_the_logits_is_refused(field: str, value: float) -> None:
+    """Found by the gRPC fuzzer: temperature 1.4e-45 (float32's smallest) made every logit inf; the sampled id was
+    garbage, decoding it raised in the engine loop, every request in the batch failed and the replica was
+    restarted."""
+    assert error_message(**{field: value}).startswith(f"{field}: ")
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_greedy_and_the_floors_themselves_are_served() -> None:
+    for fields in ({"temperature": 0.0}, {"temperature": MIN_TEMPERATURE},
+                   {"repetition_penalty": MIN_REPETITION_PENALTY}):
+        assert TextIn.model_validate({"prompt": "hi", **fields}).sampling_params(room=8)
