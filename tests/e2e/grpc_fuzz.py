@@ -25,9 +25,9 @@ from pathlib import Path
 
 import grpc
 from genserve.v1 import diffusion_pb2, gan_pb2, text_pb2, vae_pb2
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from google.protobuf.message import Message
 from google.protobuf.message_factory import GetMessageClass
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, Phase, given, seed, settings
 
 from tests.e2e.grpc_fuzz_strategies import request_strategy
