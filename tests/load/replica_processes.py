@@ -62,12 +62,13 @@ def descendants(root: int) -> set[int]:
 
 
 def parse_title(cmdline: str) -> tuple[str, str] | None:
-    """(app, deployment) from a replica's process title, None for any other process."""
+    """(app, deployment) from a replica's process title, None for any other process. While a method runs, Ray
+    appends it to the title (`...:Diffusion.handle_request_with_rejection`)."""
     title = cmdline.replace("\x00", " ").strip()
     if not title.startswith(TITLE_PREFIX):
         return None
-    parts = title.removeprefix(TITLE_PREFIX).split()[0].split(":")
-    return (parts[0], parts[1]) if len(parts) >= 2 else None
+    parts = (title.removeprefix(TITLE_PREFIX).split() or [""])[0].split(":")
+    return (parts[0], parts[1].split(".")[0]) if len(parts) >= 2 and parts[0] and parts[1] else None
 
 
 def replicas(root: int) -> list[Replica]:
