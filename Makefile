@@ -12,7 +12,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export RAY_AUTH_MODE := disabled
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 
-.PHONY: setup serve test lint protos load gpu-check default-model fuzz-http
+.PHONY: setup serve test lint protos load gpu-check default-model fuzz-http fuzz soak
 
 setup: $(STAMP)
 
@@ -51,3 +51,13 @@ gpu-check: $(STAMP)
 # schemathesis against the HTTP API's own OpenAPI schema on a fresh local stack: >= 500 requests, no 5xx.
 fuzz-http: $(STAMP)
 	GENSERVE_FUZZ_EXAMPLES=100 GENSERVE_FUZZ_MIN_REQUESTS=500 $(PY) -m pytest -q tests/e2e/test_e2e_http_fuzz.py
+
+# hypothesis requests over every field of every RPC of the four gRPC services, >= 2,000 per service, on a fresh local
+# stack: a table per service; no INTERNAL, no traceback or path in a message, no replica restarted.
+fuzz: $(STAMP)
+	GENSERVE_GRPC_FUZZ_PER_SERVICE=2000 GENSERVE_GRPC_FUZZ_REPORT=runs/fuzz/grpc.md $(PY) -m pytest -q -s \
+		tests/e2e/test_e2e_grpc_fuzz.py
+
+# Mixed gRPC + HTTP load for GENSERVE_SOAK_SECONDS (default 600) on a fresh stack; replica RSS -> docs/soak.md.
+soak: $(STAMP) default-model
+	$(PY) -m tests.load.soak

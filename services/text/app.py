@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 import threading
 import time
@@ -32,7 +33,7 @@ from services.common.metrics import ServiceMetrics
 from services.common.rpc import streaming, unary, unknown_rpcs
 from services.common.validation import MAX_SEED, Request, parse, resolve_seed
 from services.text.engine import AsyncLLMEngine, Delta, EngineOverloaded, PromptTooLong, SamplingParams
-from services.text.engine.params import InvalidJsonSchema, InvalidRegex
+from services.text.engine.params import MIN_REPETITION_PENALTY, MIN_TEMPERATURE, InvalidJsonSchema, InvalidRegex
 from services.text.settings import TextArgs
 from services.text.tokenizer import NoChatTemplate
 
@@ -48,6 +49,9 @@ MAX_TOP_K = 1000
 MAX_LOGPROBS = 5
 MAX_SCHEMA_CHARS = 16_384
 MAX_REGEX_CHARS = 1_024
+# Nested JSON containers in a json_schema: the grammar xgrammar builds grows with the square of the depth (a
+# 256-deep schema compiles for seconds), and Python's json parser recurses; real schemas nest a few levels.
+MAX_SCHEMA_DEPTH = 64
 DEFAULT_MAX_TOKENS = 64
 DEFAULT_TEMPERATURE = 1.0
 
@@ -55,6 +59,29 @@ DEFAULT_TEMPERATURE = 1.0
 class ChatMessageIn(Request):
     role: Literal["system", "user", "assistant"]
     content: str
+
+
+def _not_a_number(constant: str) -> float:
+    raise ValueError(f"{constant} is not a JSON number")
+
+
+def _finite(number: str) -> float:
+    value = float(number)
+    if not math.isfinite(value):
+        raise ValueError(f"number {number[:20]} is out of range")
+    return value
+
+
+def json_depth(document: Any) -> int:
+    """How deeply JSON containers nest in `document` (a scalar: 0), without recursion."""
+    deepest, todo = 0, [(document, 1)]
+    while todo:
+        value, depth = todo.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            todo += [(child, depth + 1) for child in children]
+    return deepest
 
 
 def _prompt_or_messages(prompt: str, info: ValidationInfo, what: str) -> str:
@@ -78,23 +105,34 @@ class TextIn(Request):
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOPS)
     min_p: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
-    repetition_penalty: float = Field(1.0, gt=0, le=10, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=10, allow_inf_nan=False)
     presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
     logprobs: int = Field(0, ge=0, le=MAX_LOGPROBS)
     json_schema: str = Field("", max_length=MAX_SCHEMA_CHARS)
     regex: str = Field("", max_length=MAX_REGEX_CHARS)
 
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_or_above_the_floor(cls, temperature: float) -> float:
+        if 0 < temperature < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+        return temperature
+
     @field_validator("json_schema")
     @classmethod
     def _schema_is_a_json_object(cls, schema: str) -> str:
         if schema:
             try:
-                document = json.loads(schema)
+                document = json.loads(schema, parse_constant=_not_a_number, parse_float=_finite)
+            except RecursionError:
+                raise ValueError(f"nests deeper than {MAX_SCHEMA_DEPTH} levels") from None
             except ValueError as exc:
                 raise ValueError(f"is not valid JSON ({exc})") from None
             if not isinstance(document, dict):
                 raise ValueError("must be a JSON Schema object")
+            if json_depth(document) > MAX_SCHEMA_DEPTH:
+                raise ValueError(f"nests deeper than {MAX_SCHEMA_DEPTH} levels")
         return schema
 
     @field_validator("regex")
@@ -105,8 +143,10 @@ class TextIn(Request):
         if regex:
             try:
                 re.compile(regex)
-            except re.error as exc:
+            except (re.error, OverflowError) as exc:  # OverflowError: a repeat count beyond 2**32 - 2
                 raise ValueError(f"is not a valid regular expression ({exc})") from None
+            except RecursionError:
+                raise ValueError("nests too deeply") from None
         return regex
 
     @field_validator("prompt")

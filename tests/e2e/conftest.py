@@ -42,6 +42,11 @@ class Stack:
     process: subprocess.Popen | None = None  # `python -m services.serve` itself (a drain test SIGTERMs it)
 
     @property
+    def pid(self) -> int:
+        """The `services.serve` pid; its descendants are the stack's Ray processes (tests/load/replica_processes.py)."""
+        return self.process.pid if self.process is not None else 0
+
+    @property
     def address(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 

@@ -106,20 +106,22 @@ class ReplicaSampler(threading.Thread):
 
 
 class LocalStack:
-    """`python -m services.serve` on the STACK_PORTS, in its own process group so it can be stopped whole."""
+    """`python -m services.serve` on `ports` (default STACK_PORTS), in its own process group so it can be stopped
+    whole."""
 
-    def __init__(self, log_path: Path, timeout_s: float):
+    def __init__(self, log_path: Path, timeout_s: float, ports: dict[str, int] | None = None):
         self.log_path = log_path
         self.timeout_s = timeout_s
+        self.ports = ports or STACK_PORTS
         self.process: subprocess.Popen | None = None
         self._log = None
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{STACK_PORTS['grpc']}"
+        return f"127.0.0.1:{self.ports['grpc']}"
 
     def command(self) -> list[str]:
-        ports = [f"--{name}-port={port}" for name, port in STACK_PORTS.items()]
+        ports = [f"--{name}-port={port}" for name, port in self.ports.items()]
         return [sys.executable, "-m", "services.serve", *ports, f"--timeout={self.timeout_s:.0f}"]
 
     def start(self) -> None:

@@ -7,6 +7,11 @@ import math
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
+# Logits are divided by the temperature and (when positive) by the repetition penalty: below these the float32
+# quotient overflows (a temperature of 1.4e-45 turned every logit into inf and the sampled id into garbage), so a
+# positive value under the floor is refused, as vLLM warns about temperatures under 0.01.
+MIN_TEMPERATURE = 0.01
+MIN_REPETITION_PENALTY = 0.01
 
 
 class PromptTooLong(ValueError):
@@ -51,11 +56,13 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
-        _check(_finite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
+        _check(_finite(self.temperature) and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE),
+               "temperature", f"must be 0 (greedy) or >= {MIN_TEMPERATURE}")
         _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "must be an integer >= 0")
         _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
-        _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
+        _check(_finite(self.repetition_penalty) and self.repetition_penalty >= MIN_REPETITION_PENALTY,
+               "repetition_penalty", f"must be >= {MIN_REPETITION_PENALTY}")
         _check(_finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
                "must be in [-2, 2]")
         _check(_finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",

@@ -1,0 +1,126 @@
+"""The gRPC fuzzer's requests (no stack): every RPC of the four services is fuzzed, every field of every request
+is set by some generated request, extremes and hostile images come up, and a huge request stays bounded."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+from genserve.v1 import common_pb2, text_pb2
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+from hypothesis import find
+from hypothesis import strategies as st
+from PIL import Image
+
+from tests.e2e.grpc_fuzz import EMPTY_REQUEST_CALLS, LEAK, PROTO_MODULES, Outcome, generate, requests_for, rpcs
+from tests.e2e.grpc_fuzz_strategies import (
+    FLOAT32_MAX,
+    HUGE_BYTES,
+    INT64,
+    field_names,
+    floats,
+    image_bytes,
+    integers,
+    png_claiming,
+    repeated,
+    texts,
+)
+
+EXAMPLES = 100
+
+
+def set_paths(message: Message, prefix: str = "") -> set[str]:
+    """Field paths set in `message`, recursing into (repeated) sub-messages."""
+    paths = set()
+    for field, value in message.ListFields():
+        path = prefix + field.name
+        paths.add(path)
+        if field.type == FieldDescriptor.TYPE_MESSAGE and not field.message_type.GetOptions().map_entry:
+            for item in value if field.is_repeated else [value]:
+                paths |= set_paths(item, path + ".")
+    return paths
+
+
+def test_every_rpc_of_the_four_services_is_fuzzed() -> None:
+    expected = {f"{s.name}/{m.name}" for module in PROTO_MODULES for s in module.DESCRIPTOR.services_by_name.values()
+                for m in s.methods}
+    assert {rpc.name for rpc in rpcs()} == expected
+    assert {"TextGeneration/Tokenize", "Vae/Decode", "Diffusion/GenerateStream", "ImageGan/Interpolate"} <= expected
+    assert {rpc.name for rpc in rpcs() if rpc.streaming} == {"TextGeneration/GenerateStream",
+                                                              "Diffusion/GenerateStream"}
+
+
+def test_a_service_gets_its_share_of_distinct_requests() -> None:
+    plan = requests_for([r for r in rpcs() if r.app == "text"], 60, seed_value=0)
+    empty = [request for rpc, request in plan if rpc.name == "TextGeneration/GetModelInfo"]
+    assert len(empty) == EMPTY_REQUEST_CALLS and len(plan) >= 60
+    fuzzed = [(rpc.name, request.SerializeToString()) for rpc, request in plan if not rpc.name.endswith("Info")]
+    assert len(set(fuzzed)) == len(fuzzed)
+
+
+@pytest.mark.parametrize("rpc", [r for r in rpcs() if r.request.DESCRIPTOR.fields], ids=lambda r: r.name)
+def test_every_field_is_set_by_some_request(rpc) -> None:
+    drawn = generate(rpc, EXAMPLES, seed_value=0)
+    covered = set().union(*(set_paths(m) for m in drawn))
+    assert set(field_names(rpc.request.DESCRIPTOR)) <= covered
+
+
+def test_numbers_reach_their_extremes() -> None:
+    assert math.isnan(find(floats(32), math.isnan)) and find(floats(32), math.isinf)
+    assert find(floats(32), lambda x: x == FLOAT32_MAX) and find(integers(*INT64), lambda x: x == -(2**63))
+    rpc = next(r for r in rpcs() if r.name == "TextGeneration/Generate")
+    drawn: list[text_pb2.TextRequest] = generate(rpc, 400, seed_value=1)
+    floats_sent = [v for m in drawn for field, v in m.ListFields() if field.type == FieldDescriptor.TYPE_FLOAT]
+    assert any(math.isnan(x) for x in floats_sent) and any(abs(x) > 1e30 for x in floats_sent)
+    assert min(m.seed for m in drawn if m.HasField("seed")) < 0
+    assert any(len(m.messages) == 0 and m.prompt == "" for m in drawn)  # empty ones
+    assert len(find(texts(), lambda text: len(text) >= 3_000_000)) >= 3_000_000  # huge strings
+    assert len(find(repeated(st.just("x")), lambda items: len(items) >= 100_000)) == 100_000  # huge repeated
+
+
+def test_images_are_real_broken_and_hostile() -> None:
+    rpc = next(r for r in rpcs() if r.name == "Vae/Encode")
+    pngs = [image.png for m in generate(rpc, 300, seed_value=2) for image in m.images]
+    readable, unreadable = 0, 0
+    for data in set(pngs):
+        try:
+            with Image.open(io.BytesIO(data)) as img:
+                img.load()
+            readable += 1
+        except Exception:
+            unreadable += 1
+    assert readable > 10 and unreadable > 10
+    assert find(image_bytes(), lambda data: data.startswith(b"%!PS"))  # PIL would hand EPS to Ghostscript
+
+
+def test_a_claimed_size_header_reads_as_that_size() -> None:
+    with Image.open(io.BytesIO(png_claiming(100_000, 3))) as img:
+        assert img.size == (100_000, 3)
+
+
+def test_latents_come_in_served_and_broken_shapes() -> None:
+    rpc = next(r for r in rpcs() if r.name == "Vae/Decode")
+    latents: list[common_pb2.Tensor] = [m.latents for m in generate(rpc, 300, seed_value=3) if m.HasField("latents")]
+    served = [t for t in latents if list(t.shape[1:]) == [4, 8, 8] and len(t.data) == math.prod(t.shape) * 4]
+    assert served and any(list(t.shape[1:]) != [4, 8, 8] for t in latents)
+    dtypes = {t.dtype for t in latents}
+    assert dtypes >= {"", "float32", "float16", "bfloat16"} and dtypes - {"", "float32", "float16", "bfloat16"}
+
+
+def test_huge_requests_stay_bounded() -> None:
+    for rpc in rpcs():
+        for message in generate(rpc, 30, seed_value=4):
+            assert message.ByteSize() < 4 * HUGE_BYTES, rpc.name
+
+
+def test_a_traceback_or_path_in_a_status_message_is_caught() -> None:
+    def outcome(details: str) -> Outcome:
+        return Outcome("Vae/Encode", "INVALID_ARGUMENT", details, 0.0, "")
+
+    assert outcome('Traceback (most recent call last):\n  File "x.py", line 3').bad
+    assert outcome("error in /work/genserve/services/vae/app.py:81").bad
+    assert not outcome("images[0].png: is not a readable image").bad
+    assert Outcome("Vae/Encode", "INTERNAL", "internal error (request id 1)", 0.0, "").bad
+    assert LEAK.search("see site-packages/ray/serve/_private/proxy.py")
