@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 
@@ -19,17 +20,22 @@ def test_titles_name_the_app_and_deployment() -> None:
 
 
 def test_a_replica_titled_child_is_found_below_its_root_with_its_rss() -> None:
-    child = subprocess.Popen(["bash", "-c", 'exec -a "ray::ServeReplica:gan:ImageGan" sleep 30'])
+    """Below a root of its own: under `make test` the session's e2e stack also runs below this pytest process."""
+    root = subprocess.Popen(["bash", "-c", 'exec -a "ray::ServeReplica:gan:ImageGan" sleep 30 & wait'])
+    child = 0
     try:
         deadline = time.monotonic() + 10
-        while not (found := replicas(os.getpid())) and time.monotonic() < deadline:
+        while not (found := replicas(root.pid)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert [(r.pid, r.app, r.deployment) for r in found] == [(child.pid, "gan", "ImageGan")]
-        assert found[0].rss_kib > 0 and status_field(child.pid, "VmRSS") is not None
-        assert child.pid in descendants(os.getpid())
-        assert pids_by_app(os.getpid()) == {"gan": {child.pid}}
-        assert replicas(child.pid) == []  # nothing below the child itself
+        assert [(r.app, r.deployment) for r in found] == [("gan", "ImageGan")]
+        child = found[0].pid
+        assert child != root.pid and child in descendants(root.pid)
+        assert found[0].rss_kib > 0 and status_field(child, "VmRSS") is not None
+        assert pids_by_app(root.pid) == {"gan": {child}}
+        assert replicas(child) == []  # nothing below the child itself
     finally:
-        child.kill()
-        child.wait()
-    assert status_field(child.pid, "VmRSS") is None
+        if child:
+            os.kill(child, signal.SIGKILL)
+        root.kill()
+        root.wait()
+    assert status_field(child, "VmRSS") is None
