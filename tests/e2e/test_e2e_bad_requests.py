@@ -81,6 +81,14 @@ CASES = {
         "text", "Generate", T.TextRequest(prompt="hi", json_schema='{"type": "tuple"}'), "json_schema"
     ),
     "text-regex-invalid": Case("text", "GenerateStream", T.TextRequest(prompt="hi", regex="[a-"), "regex"),
+    # Found by `make fuzz`: each was INTERNAL; the subnormal temperature also failed the engine loop and restarted
+    # the replica.
+    "text-temperature-subnormal": Case(
+        "text", "GenerateStream", T.TextRequest(prompt="hi", temperature=1.4e-45), "temperature"
+    ),
+    "text-json-schema-too-deep": Case("text", "Generate", T.TextRequest(prompt="hi", json_schema="[" * 16_000),
+                                      "json_schema"),
+    "text-regex-repeat-overflow": Case("text", "Generate", T.TextRequest(prompt="hi", regex="a{4294967296}"), "regex"),
     "text-regex-unsupported": Case("text", "Generate", T.TextRequest(prompt="hi", regex=r"(a)\1"), "regex"),
     "text-schema-and-regex": Case(
         "text", "Generate", T.TextRequest(prompt="hi", json_schema="{}", regex="a"), "regex"

@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         stack.stop()
     with (RUNS / "rss.jsonl").open("w") as out:
         out.writelines(json.dumps(dataclasses.asdict(s)) + "\n" for s in sampler.samples)
+    (RUNS / "run.json").write_text(json.dumps({"started": started, "load_end": load_end, "seconds": args.seconds}))
     invocation = "make soak" if argv is None and not sys.argv[1:] else "python -m tests.load.soak " + " ".join(
         argv if argv is not None else sys.argv[1:])
     run = SoakRun(invocation, args.seconds, warm_up_seconds(args.seconds), started, load_end, sampler.samples,

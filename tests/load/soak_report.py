@@ -54,7 +54,7 @@ class SoakRun:
     events: list[RequestEvent]
 
     def growth(self) -> list[ReplicaGrowth]:
-        return growth(self.samples, self.started + self.warm_up_s, self.load_end)
+        return growth(self.samples, self.started, self.started + self.warm_up_s, self.load_end)
 
     def requests(self) -> list[RequestEvent]:
         """One event per finished call (a stream's first-message events are not calls)."""
@@ -68,10 +68,11 @@ def _median_kib(samples: list[RssSample]) -> float:
     return statistics.median(s.rss_kib for s in samples) if samples else math.nan
 
 
-def growth(samples: list[RssSample], warm_end: float, end: float, window_s: float = WINDOW_S) -> list[ReplicaGrowth]:
+def growth(samples: list[RssSample], started: float, warm_end: float, end: float,
+           window_s: float = WINDOW_S) -> list[ReplicaGrowth]:
     """Per replica process: median RSS over [warm_end, warm_end + window) against [end - window, end]; a replica
     without samples in both windows (it came or went during the run) is reported on its own first and last
-    windows and not judged."""
+    windows and not judged. Times in the rows are seconds since `started`."""
     by_pid: dict[int, list[RssSample]] = defaultdict(list)
     for sample in samples:
         by_pid[sample.pid].append(sample)
@@ -84,7 +85,7 @@ def growth(samples: list[RssSample], warm_end: float, end: float, window_s: floa
         if not judged:
             warm = [s for s in series if s.t < series[0].t + window_s]
             final = [s for s in series if s.t > series[-1].t - window_s]
-        rows.append(ReplicaGrowth(series[0].app, pid, series[0].t - warm_end, series[-1].t - warm_end,
+        rows.append(ReplicaGrowth(series[0].app, pid, series[0].t - started, series[-1].t - started,
                                   _median_kib(warm), _median_kib(final), judged))
     return sorted(rows, key=lambda r: (not r.judged, r.app, r.pid))
 
@@ -165,7 +166,7 @@ def render_markdown(run: SoakRun, image: Path, date: str) -> str:
         "|---|---:|---:|---:|---:|---|",
     ]
     for row in run.growth():
-        judged = "yes" if row.judged else f"no (alive {row.first_s:+.0f}..{row.last_s:+.0f} s around warm-up end)"
+        judged = "yes" if row.judged else f"no: seen {row.first_s:.0f}..{row.last_s:.0f} s after the start"
         lines.append(f"| {row.app} | {row.pid} | {row.warm_kib / 1024:.1f} | {row.end_kib / 1024:.1f} "
                      f"| {row.growth_pct:+.1f}% | {judged} |")
     lines += ["", "Requests by RPC and answer (`[shed]`: RESOURCE_EXHAUSTED, counted as failures here):", ""]

@@ -31,7 +31,7 @@ def test_growth_compares_medians_of_the_windows_after_warm_up_and_at_the_end() -
     # 100 MiB through the warm-up, then flat at 200 MiB with one spike at the end window's edge.
     flat = series("gan", 1, lambda t: 100 * 1024 if t < 120 else (300 * 1024 if t == 595 else 200 * 1024))
     leaky = series("text", 2, lambda t: 400 * 1024 + 100 * t)  # +100 KiB/s: ~11% over the measured span
-    rows = {r.pid: r for r in growth(flat + leaky, warm_end=T0 + 120, end=END)}
+    rows = {r.pid: r for r in growth(flat + leaky, T0, warm_end=T0 + 120, end=END)}
     assert rows[1].judged and rows[1].warm_kib == rows[1].end_kib == 200 * 1024 and rows[1].growth_pct == 0
     assert rows[2].growth_pct == pytest.approx(100 * (100 * 582.5 - 100 * 132.5) / (400 * 1024 + 100 * 132.5),
                                                rel=0.02)
@@ -49,8 +49,8 @@ def test_a_flat_run_without_failures_passes_and_a_leak_or_a_failure_fails() -> N
 
 def test_a_replica_that_came_during_the_run_is_listed_but_not_judged() -> None:
     late = series("diffusion", 9, lambda t: 100 * 1024 + 1000 * (t - 300), start=T0 + 300)
-    rows = growth(series("gan", 1, lambda t: 200 * 1024) + late, warm_end=T0 + 120, end=END)
-    assert [(r.pid, r.judged) for r in rows] == [(1, True), (9, False)]
+    rows = growth(series("gan", 1, lambda t: 200 * 1024) + late, T0, warm_end=T0 + 120, end=END)
+    assert [(r.pid, r.judged, r.first_s) for r in rows] == [(1, True, 0), (9, False, 300)]
     ok, reasons = verdict(soak(series("gan", 1, lambda t: 200 * 1024) + late))
     assert ok and "1 replicas came or went during the run (autoscaling), not judged" in reasons
 

@@ -160,6 +160,15 @@ def _run_healthcheck(compose: dict, status: int) -> int:
         server.stop(grace=None)
 
 
+def test_ray_containers_outlive_their_replicas_drain(compose: dict, gpu_serve_config: dict) -> None:
+    """`docker compose stop` waits stop_grace_period before SIGKILL: the replicas' drain and a margin must fit."""
+    deployments = [d for app in gpu_serve_config["applications"] for d in app["deployments"]]
+    drain = max(d["graceful_shutdown_timeout_s"] for d in deployments)
+    for name in ("ray-head", "ray-worker"):
+        grace = re.fullmatch(r"(\d+)s", compose["services"][name]["stop_grace_period"])
+        assert grace is not None and int(grace.group(1)) >= drain + 15, name
+
+
 def test_head_healthcheck_passes_only_when_grpc_health_says_serving(compose: dict) -> None:
     assert _run_healthcheck(compose, health_pb2.HealthCheckResponse.SERVING) == 0
     assert _run_healthcheck(compose, health_pb2.HealthCheckResponse.NOT_SERVING) != 0
