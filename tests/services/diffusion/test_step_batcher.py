@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from services.diffusion.pipeline import SCHEDULERS, DiffusionPipeline, GenerationCancelled
 from services.diffusion.step_batcher import StepBatcher
 from services.vae.model import VAE, load_vae
+from tests.services.diffusion.tiny_sd import build_tiny_sd
 
 # Different schedulers, step counts, guidance modes and scales, negatives and image counts side by side.
 REQUESTS: list[dict[str, Any]] = [
@@ -160,24 +162,28 @@ def test_a_request_joining_a_busy_loop_starts_within_one_step_plus_the_wait(pipe
     assert joined["first_event"] - joined["submit"] <= 2 * step_s + wait_s
 
 
-def test_requests_of_different_latent_sizes_never_share_a_call(pipe: DiffusionPipeline) -> None:
+def test_requests_of_different_image_sizes_never_share_a_call(tmp_path: Path) -> None:
+    """A Stable-Diffusion folder serves several sizes: each size gets its own U-Net call per step, and every
+    request's latents are still its own alone."""
+    sd = DiffusionPipeline.from_dir(build_tiny_sd(tmp_path / "sd", latent=8))
     shapes: list[tuple[int, ...]] = []
 
     def unet(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         shapes.append(tuple(x.shape))
-        return pipe.model.unet(x, *args, **kwargs)
+        return sd.model.unet(x, *args, **kwargs)
 
+    requests = [{"height": 64, "width": 64, "seed": 1}, {"height": 64, "width": 96, "seed": 2},
+                {"height": 64, "width": 64, "seed": 3, "scheduler": "euler"}]
+    common = {"prompts": ["a cat"], "steps": 3, "guidance_scale": 5.0}
     batcher = StepBatcher(unet, max_rows=64, wait_s=0.05)
-    small = pipe.prepare(["a red circle"], steps=2, seed=1)
-    large = pipe.prepare(["a red circle"], steps=2, seed=1)
-    large.latents = torch.nn.functional.interpolate(large.latents, scale_factor=2.0)  # another size, same model
+    states = [sd.prepare(**common, **r) for r in requests]
     try:
-        futures = [batcher.submit(small), batcher.submit(large)]
-        results = [f.result(timeout=60) for f in futures]
+        results = [f.result(timeout=60) for f in [batcher.submit(state) for state in states]]
     finally:
         batcher.close()
-    assert sorted(shapes) == sorted([(2, 4, 8, 8), (2, 4, 16, 16)] * 2)
-    assert results[0].shape == (1, 4, 8, 8) and results[1].shape == (1, 4, 16, 16)
+    assert sorted(shapes) == sorted([(4, 4, 8, 8), (2, 4, 8, 12)] * 3)
+    for request, got in zip(requests, results, strict=True):
+        torch.testing.assert_close(got, sd.generate(**common, **request), atol=1e-4, rtol=0)
 
 
 def test_a_request_over_the_row_budget_is_refused(pipe: DiffusionPipeline) -> None:
