@@ -69,6 +69,18 @@ class Stack:
             lines = response.read().decode().splitlines()
         return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
 
+    def settled_metric(self, name: str, interval_s: float = 1.0, timeout_s: float = 10.0) -> float:
+        """`metric(name)` once two exports a metrics interval apart agree (a counter that stopped moving)."""
+        deadline = time.monotonic() + timeout_s
+        last = self.metric(name)
+        while time.monotonic() < deadline:
+            time.sleep(interval_s + 0.2)
+            now = self.metric(name)
+            if now == last:
+                return now
+            last = now
+        raise AssertionError(f"{name} still moving after {timeout_s} s")
+
 
 def _port_free(port: int) -> bool:
     with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:

@@ -1,0 +1,40 @@
+"""What a gRPC client's deadline or cancellation does behind the proxy: the work stops, and the service goes on.
+
+A deadline that passes mid-denoising ends the call with DEADLINE_EXCEEDED and the loop drops the request before its
+200 steps; cancelling a 200-step diffusion stream stops the loop within a metrics interval. (A cancelled text stream
+returning its KV blocks is tests/e2e/test_e2e_rpcs.py's.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from services.client import Client
+from services.client.errors import DeadlineExceeded
+
+pytestmark = pytest.mark.e2e
+
+STEPS = "ray_genserve_diffusion_steps_total"
+
+
+def test_a_passed_deadline_ends_the_call_and_stops_the_denoising(stack, client: Client) -> None:
+    before = stack.settled_metric(STEPS)
+    hurried = Client(stack.address, timeout=2.0)
+    try:
+        with pytest.raises(DeadlineExceeded):
+            hurried.diffuse("a large red circle", num_images=8, steps=200, seed=2)
+    finally:
+        hurried.close()
+    ran = stack.settled_metric(STEPS) - before
+    assert ran < 200, f"{ran} steps ran: the denoising went on to the end after the deadline"
+    assert len(client.diffuse("a small blue square", num_images=1, steps=2, seed=1).images) == 1
+
+
+def test_cancelling_a_200_step_diffusion_stream_stops_the_denoising(stack, client: Client) -> None:
+    before = stack.settled_metric(STEPS)
+    stream = client.diffuse_stream("a large red circle", num_images=8, steps=200, seed=1)
+    first = next(stream)
+    assert first.WhichOneof("event") == "progress" and first.progress.total_steps == 200
+    stream.close()  # cancels the call; the replica drops the request from the loop at its next step
+    ran = stack.settled_metric(STEPS) - before
+    assert 1 <= ran < 100, f"{ran} steps ran after the client cancelled"
+    assert len(client.diffuse("a small blue square", num_images=1, steps=2, seed=1).images) == 1
