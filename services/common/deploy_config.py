@@ -87,7 +87,8 @@ LOCAL_APPS = (
     AppSpec("text", "TextGeneration", 0.4, 0, 1, 2, 4, 16, 32, LOCAL_TEXT_SETTINGS),
     AppSpec("gan", "ImageGan", 0.1, 0, 1, 2, 32, 64, 128, LOCAL_BATCH_SETTINGS),
     AppSpec("vae", "Vae", 0.1, 0, 1, 2, 32, 64, 128, LOCAL_BATCH_SETTINGS),
-    AppSpec("diffusion", "Diffusion", 0.3, 0, 1, 2, 8, 16, 32, LOCAL_STEP_SETTINGS),
+    # 8 requests share a replica's loop; a burst past 2 x 8 + 8 is shed at once (tests/e2e/test_e2e_overload.py).
+    AppSpec("diffusion", "Diffusion", 0.3, 0, 1, 2, 8, 8, 8, LOCAL_STEP_SETTINGS),
     # The HTTP API only forwards: it holds every open stream (far more than the apps behind it take), so the
     # apps behind it shed load first and their refusals reach the client as 429s.
     AppSpec("http", "OpenAIApi", 0.05, 0, 1, 2, 32, 256, 256, route_prefix="/", loads_model=False),
