@@ -142,7 +142,7 @@ class Diffusion:
 
         def on_step(step: int, total: int, latents: torch.Tensor) -> None:
             events = [_progress(step, total, time.perf_counter() - start)]
-            if req.preview_every and step % req.preview_every == 0:
+            if req.preview_every and step and step % req.preview_every == 0:
                 preview = diffusion_pb2.DiffusionPreview(step=step, images=image_messages(self.pipe.preview(latents)))
                 events.append(diffusion_pb2.DiffusionEvent(preview=preview))
             for event in events:
@@ -162,7 +162,8 @@ class Diffusion:
             last = 0.0
             while (event := await queue.get()) is not _DONE:
                 if event.HasField("progress"):
-                    self.metrics.denoising_step(event.progress.elapsed_s - last)
+                    if event.progress.step:  # step 0 says the denoising started; the steps count from there
+                        self.metrics.denoising_step(event.progress.elapsed_s - last)
                     last = event.progress.elapsed_s
                 yield event
             latents = future.result()  # (N, C, h, w), ready for the VAE's decode

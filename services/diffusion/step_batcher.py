@@ -11,8 +11,8 @@ granularity.
 
 When the loop is idle, the first request waits `wait_s` for others to start with it; a request that arrives while
 the loop runs joins at the next step boundary, so its first step starts within one step's time (plus `wait_s` when
-the loop was idle). The U-Net is batch-invariant to about 1e-6 on the CPU, so a request's image does not depend on
-what it was batched with (tests/services/diffusion/test_step_batcher.py).
+the loop was idle), and it hears so then (`on_step` with step 0). The U-Net is batch-invariant to about 1e-6 on the
+CPU, so a request's image does not depend on what it was batched with (tests/services/diffusion/test_step_batcher.py).
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ class StepBatcher:
     def submit(self, state: Denoising, on_step: Callable[[int, int, torch.Tensor], None] | None = None,
                should_cancel: Callable[[], bool] | None = None) -> Future:
         """Queue one prepared request (DiffusionPipeline.prepare). `on_step(step, total, latents)` runs in the loop
-        after each of its steps with its un-scaled latents; `should_cancel()` is read at every step boundary and
-        ends the request with `GenerationCancelled`."""
+        with its un-scaled latents: with step 0 when it joins the loop (its first step starts), then after each of
+        its steps; `should_cancel()` is read at every step boundary and ends the request with `GenerationCancelled`."""
         if state.rows > self.max_rows:
             raise ValueError(f"a request of {state.rows} U-Net rows does not fit a step of at most {self.max_rows}")
         job = StepJob(state, on_step, should_cancel)
@@ -165,7 +165,15 @@ class StepBatcher:
         for job in active:
             groups.setdefault(_group_key(job), []).append(job)
         finished: list[StepJob] = []
-        for jobs in groups.values():
+        for job in active:
+            if job in self._joined and job.on_step is not None:
+                try:  # step 0: the request's denoising starts now (its first event comes within one step)
+                    job.on_step(0, job.state.steps, job.state.unscaled())
+                except Exception as exc:
+                    job.fail(exc)
+                    finished.append(job)
+                    groups[_group_key(job)].remove(job)
+        for jobs in (jobs for jobs in groups.values() if jobs):
             if self.on_batch is not None:
                 self.on_batch(sum(j.state.images for j in jobs), [now - j.since for j in jobs if j in self._joined])
             try:

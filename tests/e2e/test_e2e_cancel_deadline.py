@@ -40,10 +40,10 @@ def test_cancelling_a_200_step_diffusion_stream_stops_the_denoising(stack, clien
         before = stack.settled_metric(STEPS)
         stream = client.diffuse_stream("a large red circle", num_images=8, steps=200, seed=seed)
         first = next(stream)
-        assert first.WhichOneof("event") == "progress" and first.progress.total_steps == 200
+        assert first.WhichOneof("event") == "progress" and (first.progress.step, first.progress.total_steps) == (0, 200)
         stream.close()  # cancels the call; the replica drops the request from the loop at its next step
         runs.append(stack.settled_metric(STEPS, timeout_s=60) - before)
         if runs[-1] < 200:
             break
-    assert 1 <= runs[-1] < 100, f"steps that ran after each cancel: {runs}"
+    assert runs[-1] < 100, f"steps that ran after each cancel: {runs}"
     assert len(client.diffuse("a small blue square", num_images=1, steps=2, seed=1).images) == 1

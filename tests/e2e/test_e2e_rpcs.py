@@ -139,7 +139,7 @@ def test_diffusion_stream_reports_every_step_then_the_images(client: Client) -> 
     events = list(client.diffuse_stream("a small blue square", steps=3, seed=4, preview_every=2))
     progress = [e.progress.step for e in events if e.HasField("progress")]
     previews = [e.preview for e in events if e.HasField("preview")]
-    assert progress == [1, 2, 3]
+    assert progress == [0, 1, 2, 3]  # 0: the request joined the step loop
     assert [p.step for p in previews] == [2] and len(previews[0].images) == 1
     assert events[-1].HasField("result") and sum(e.HasField("result") for e in events) == 1
     unary = client.diffuse("a small blue square", steps=3, seed=4)
@@ -167,7 +167,7 @@ def test_concurrent_diffusion_streams_share_the_loop_and_match_each_alone(client
     with ThreadPoolExecutor(len(requests)) as pool:
         together = list(pool.map(stream, requests))
     for request, events in zip(requests, together, strict=True):
-        assert [e.progress.step for e in events if e.HasField("progress")] == list(range(1, request["steps"] + 1))
+        assert [e.progress.step for e in events if e.HasField("progress")] == list(range(0, request["steps"] + 1))
         alone = client.diffuse(**request).images[0].png
         diff = np.abs(_pixels(events[-1].result.images[0].png) - _pixels(alone)).max()
         assert diff <= 1, (request, diff)
