@@ -10,7 +10,10 @@ chats over each protocol (tokens/s in total).
 
 `--batching` prints, side by side, N concurrent one-image requests against one N-image request (GAN Sample and VAE
 Reconstruct, N = 32): with dynamic batching (services/common/batcher.py) the ratio approaches 1. A middle row sends
-N requests the gan app rejects before any model call: the cost of N requests through the proxy alone.
+N requests the gan app rejects before any model call: the cost of N requests through the proxy alone. Two diffusion
+rows (N = 8, step batching, services/diffusion/step_batcher.py): 20 DDIM steps each, and a mixed set (DDIM and
+DPM++(2M) alternating, 10 to 30 steps, guidance 1 to 5; mean 20 steps) against one 8-image request of 20 DDIM steps
+at guidance 3.
     .venv/bin/python bench/serving.py --address 127.0.0.1:9000 --tls-ca ca.pem --behind 127.0.0.1:29000 \
         --http-url https://127.0.0.1:8000/v1           # one serving TLS (docs/security.md), and the front's cost
 
@@ -34,6 +37,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
@@ -51,6 +55,7 @@ from services.serve import READY_LINE  # noqa: E402
 
 INFO = text_pb2.ModelInfo(model_name="plain", architecture="none", vocab_size=1, max_context=1)
 CHAT = [{"role": "user", "content": "Write a short poem about the sea"}]
+IMAGE_PROMPT = "a red circle"
 
 
 class PlainText(text_pb2_grpc.TextGenerationServicer):
@@ -311,7 +316,14 @@ async def image_calls(address: str, n: int, one: Callable, many: Callable) -> tu
         return concurrent, time.perf_counter() - start
 
 
-def batching_rows(address: str, n: int, rounds: int) -> list[tuple[str, int, float, float]]:
+def mixed_diffusion(i: int, n: int) -> dict[str, Any]:
+    """The i-th of n mixed diffusion requests: DDIM and DPM++(2M) alternating, steps 10..30, guidance 1..5."""
+    frac = i / max(n - 1, 1)
+    return {"scheduler": ("ddim", "dpmpp_2m")[i % 2], "steps": round(10 + 20 * frac),
+            "guidance_scale": round(1 + 4 * frac, 2)}
+
+
+def batching_rows(address: str, n: int, rounds: int, n_diffusion: int = 8) -> list[tuple[str, int, float, float]]:
     """(case, N, best seconds of N concurrent one-image requests, best seconds of one N-image request)."""
     with Client(address, timeout=120) as client:
         pngs = [image.png for image in client.gan_sample(n, seed=1).images]
@@ -324,11 +336,22 @@ def batching_rows(address: str, n: int, rounds: int) -> list[tuple[str, int, flo
         "gan, rejected requests (serving floor)": (rejected, lambda c: c.gan_sample(n, seed=0)),
         "vae Reconstruct": (lambda c, i: c.vae_reconstruct([pngs[i]]), lambda c: c.vae_reconstruct(pngs)),
     }
+    m = n_diffusion
+    ddim20 = {"scheduler": "ddim", "steps": 20, "guidance_scale": 3.0}
+    diffusion_cases = {
+        "diffusion Generate, 20 DDIM steps": (
+            lambda c, i: c.diffuse(IMAGE_PROMPT, seed=i, **ddim20),
+            lambda c: c.diffuse(IMAGE_PROMPT, num_images=m, seed=0, **ddim20)),
+        "diffusion Generate, mixed DDIM/DPM++ 10-30 steps, guidance 1-5": (
+            lambda c, i: c.diffuse(IMAGE_PROMPT, seed=i, **mixed_diffusion(i, m)),
+            lambda c: c.diffuse(IMAGE_PROMPT, num_images=m, seed=0, **ddim20)),
+    }
     rows = []
-    for name, (one, many) in cases.items():
-        asyncio.run(image_calls(address, n, one, many))  # warm-up
-        runs = [asyncio.run(image_calls(address, n, one, many)) for _ in range(rounds)]
-        rows.append((name, n, min(r[0] for r in runs), min(r[1] for r in runs)))
+    for name, (one, many), size in [(k, v, n) for k, v in cases.items()] + \
+            [(k, v, m) for k, v in diffusion_cases.items()]:
+        asyncio.run(image_calls(address, size, one, many))  # warm-up
+        runs = [asyncio.run(image_calls(address, size, one, many)) for _ in range(rounds)]
+        rows.append((name, size, min(r[0] for r in runs), min(r[1] for r in runs)))
     return rows
 
 
@@ -353,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-tokens", type=int, default=64, help="max_tokens of each concurrent chat")
     parser.add_argument("--rounds", type=int, default=3, help="concurrent rounds per protocol (the best is shown)")
     parser.add_argument("--batching", action="store_true", help="only the image apps' batching table")
-    parser.add_argument("--images", type=int, default=32, help="N of the batching table")
+    parser.add_argument("--images", type=int, default=32, help="N of the batching table's GAN and VAE rows")
+    parser.add_argument("--diffusion-images", type=int, default=8, help="N of its diffusion rows")
     parser.add_argument("--port", type=int, default=9300, help="gRPC port of the stack the bench starts")
     parser.add_argument("--tls-ca", metavar="FILE", help="a running stack with TLS: gRPC and HTTPS trusting this CA")
     parser.add_argument("--behind", metavar="ADDR", help="with --tls-ca: Serve's own gRPC proxy behind the front "
@@ -364,10 +388,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if args.batching:
         if args.address is not None:
-            print(batching_table(batching_rows(args.address, args.images, args.rounds)))
+            print(batching_table(batching_rows(args.address, args.images, args.rounds, args.diffusion_images)))
             return 0
         with serve_stack(args.port):
-            print(batching_table(batching_rows(f"127.0.0.1:{args.port}", args.images, args.rounds)))
+            print(batching_table(batching_rows(f"127.0.0.1:{args.port}", args.images, args.rounds,
+                                               args.diffusion_images)))
         return 0
     args.address_is_ours = args.address is None
     if args.address is None:

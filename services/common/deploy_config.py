@@ -67,7 +67,7 @@ class AppSpec:
 
 
 # Per-request cost sets the numbers: a text replica batches many streams (continuous batching), a diffusion
-# request holds a replica for many U-Net steps, GAN/VAE calls are a single cheap forward pass.
+# request holds a slot in its replica's step loop for many U-Net steps, GAN/VAE calls are a single cheap forward pass.
 # The text engine's settings per target (docs/deploy.md): on a 2-core CPU, the CPU runner's lookahead and the default
 # KV budget; on an H100/H200, bf16, a KV cache of 35% of the memory left after the weights (text replicas may
 # share a GPU with each other and the image apps), large batches and CUDA graphs.
@@ -79,11 +79,16 @@ GPU_TEXT_SETTINGS = (("dtype", "bfloat16"), ("kv_cache_fraction", 0.35), ("max_b
 # batch's worth of one-image requests at once, and autoscaling adds a replica only when about a full batch waits.
 LOCAL_BATCH_SETTINGS = (("max_batch_images", 32), ("batch_wait_s", 0.005))
 GPU_BATCH_SETTINGS = (("max_batch_images", 64), ("batch_wait_s", 0.002))
+# Diffusion runs one step loop per replica that all its requests join (services/diffusion/step_batcher.py): a
+# replica takes many requests at once, bounded by U-Net rows per step (images × passes).
+LOCAL_STEP_SETTINGS = (("max_step_rows", 48), ("batch_wait_s", 0.005))
+GPU_STEP_SETTINGS = (("max_step_rows", 192), ("batch_wait_s", 0.002))
 LOCAL_APPS = (
     AppSpec("text", "TextGeneration", 0.4, 0, 1, 2, 4, 16, 32, LOCAL_TEXT_SETTINGS),
     AppSpec("gan", "ImageGan", 0.1, 0, 1, 2, 32, 64, 128, LOCAL_BATCH_SETTINGS),
     AppSpec("vae", "Vae", 0.1, 0, 1, 2, 32, 64, 128, LOCAL_BATCH_SETTINGS),
-    AppSpec("diffusion", "Diffusion", 0.3, 0, 1, 2, 1, 2, 8),
+    # 8 requests share a replica's loop; a burst past 2 x 8 + 8 is shed at once (tests/e2e/test_e2e_overload.py).
+    AppSpec("diffusion", "Diffusion", 0.3, 0, 1, 2, 8, 8, 8, LOCAL_STEP_SETTINGS),
     # The HTTP API only forwards: it holds every open stream (far more than the apps behind it take), so the
     # apps behind it shed load first and their refusals reach the client as 429s.
     AppSpec("http", "OpenAIApi", 0.05, 0, 1, 2, 32, 256, 256, route_prefix="/", loads_model=False),
@@ -92,7 +97,7 @@ GPU_APPS = (
     AppSpec("text", "TextGeneration", 1, 0.4, 1, 4, 8, 256, 1024, GPU_TEXT_SETTINGS),
     AppSpec("gan", "ImageGan", 1, 0.1, 1, 4, 64, 128, 512, GPU_BATCH_SETTINGS),
     AppSpec("vae", "Vae", 1, 0.1, 1, 4, 64, 128, 512, GPU_BATCH_SETTINGS),
-    AppSpec("diffusion", "Diffusion", 1, 0.3, 1, 4, 2, 4, 32),
+    AppSpec("diffusion", "Diffusion", 1, 0.3, 1, 4, 32, 64, 128, GPU_STEP_SETTINGS),
     AppSpec("http", "OpenAIApi", 1, 0, 1, 4, 64, 1024, 1024, route_prefix="/", loads_model=False),
 )
 HEALTH_NUM_CPUS = 0.01

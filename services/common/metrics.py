@@ -15,7 +15,8 @@ record their own model metrics through `ServiceMetrics`.
 - genserve_diffusion_steps (counter; service): denoising steps run (steps/s via rate())
 - genserve_diffusion_step_seconds (histogram; service): duration of one denoising step
 - genserve_images (counter; service, method): images produced (images/s via rate())
-- genserve_batch_size (histogram; service, method): images per model call of a batching app (gan, vae)
+- genserve_batch_size (histogram; service, method): images per model call of a batching app (gan, vae; diffusion:
+  per U-Net call of its step loop, services/diffusion/step_batcher.py)
 - genserve_batch_wait_seconds (histogram; service, method): a request's time from arrival to the start of its batch
 - genserve_cpu_kernels_available (gauge; service): 1 when the C kernels are in use, 0 when the replica fell back to
   torch ops (the replica's log says why)

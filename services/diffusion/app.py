@@ -1,7 +1,10 @@
 """The `diffusion` application: genserve.v1.Diffusion (Generate, GenerateStream) on Ray Serve.
 
-The denoising loop runs in a worker thread, on the replica's device, and reports each step through a queue, so the
-stream sends progress (and optional previews) while the loop runs. The final latents go to the `vae` application's
+A replica runs ONE denoising loop for all its requests (services/diffusion/step_batcher.py): a request's text is
+encoded and its noise drawn in a worker thread, then it joins the loop at the next step boundary, every request's
+passes share one U-Net call per step, and each reports its own steps through a queue, so the stream sends progress
+(and optional previews) while the loop runs. The loop's row budget and first wait are serve-config args
+(`max_step_rows`, `batch_wait_s`, docs/deploy.md). The final latents go to the `vae` application's
 `Decode` through a deployment handle as raw bytes with dtype and shape, the same Tensor message a gRPC client
 sends. The model is the committed demo or a Stable-Diffusion-format diffusers folder (GENSERVE_DIFFUSION_MODEL).
 """
@@ -13,6 +16,7 @@ import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from typing import Any
 
 import grpc
@@ -45,11 +49,22 @@ from services.diffusion.pipeline import (
     DiffusionPipeline,
     GenerationCancelled,
 )
+from services.diffusion.step_batcher import StepBatcher
 
 SERVICE = "genserve.v1.Diffusion"
-# One request holds a replica for all its steps; a small batch keeps the queue moving.
+# One request holds a slot in the loop for all its steps; a small batch keeps the queue moving.
 MAX_IMAGES = 8
+# U-Net rows of the largest request: MAX_IMAGES images × 3 passes (Perp-Neg with a negative prompt).
+MAX_REQUEST_ROWS = 3 * MAX_IMAGES
 _DONE = object()
+
+
+class StepBatchArgs(AppArgs):
+    """The serve-config `args` of the diffusion app: docs/deploy.md."""
+
+    # U-Net rows per step (images × passes, all requests in the loop); a waiting request joins when its rows fit.
+    max_step_rows: int = Field(48, ge=MAX_REQUEST_ROWS, le=4096)
+    batch_wait_s: float = Field(0.005, ge=0, le=1, allow_inf_nan=False)  # how long an idle loop waits for others
 
 
 class DiffusionIn(Request):
@@ -97,10 +112,13 @@ class Diffusion:
         BackPressureError: (grpc.StatusCode.RESOURCE_EXHAUSTED, None),
     }
 
-    def __init__(self, model_dir: str | None, settings: AppArgs | None = None):
+    def __init__(self, model_dir: str | None, settings: StepBatchArgs | None = None):
+        settings = settings or StepBatchArgs()
         self.metrics = ServiceMetrics("diffusion")
-        self.gate = Gate.from_env((settings or AppArgs()).rate_limits)
+        self.gate = Gate.from_env(settings.rate_limits)
         self.pipe = DiffusionPipeline.from_dir(model_dir, device=serving_device())
+        self.batcher = StepBatcher(self.pipe.model.unet, settings.max_step_rows, settings.batch_wait_s,
+                                   on_batch=lambda images, waits: self.metrics.batch("Generate", images, waits))
         self._vae = None
         self._status = health.ServeStatusCache()
 
@@ -124,35 +142,33 @@ class Diffusion:
 
         def on_step(step: int, total: int, latents: torch.Tensor) -> None:
             events = [_progress(step, total, time.perf_counter() - start)]
-            if req.preview_every and step % req.preview_every == 0:
+            if req.preview_every and step and step % req.preview_every == 0:
                 preview = diffusion_pb2.DiffusionPreview(step=step, images=image_messages(self.pipe.preview(latents)))
                 events.append(diffusion_pb2.DiffusionEvent(preview=preview))
             for event in events:
                 loop.call_soon_threadsafe(queue.put_nowait, event)
 
-        def run() -> torch.Tensor:
-            try:
-                with torch.inference_mode():
-                    return self.pipe.generate(
-                        [req.prompt] * req.num_images, [req.negative_prompt] * req.num_images, steps=req.steps,
-                        guidance_scale=req.guidance_scale, seed=seed, scheduler=req.scheduler or None, eta=req.eta,
-                        height=height, width=width, on_step=on_step, should_cancel=cancel.is_set,
-                        guidance=req.guidance or None, negative_weight=req.negative_weight,
-                    )
-            finally:
-                loop.call_soon_threadsafe(queue.put_nowait, _DONE)
+        def prepare() -> Future:
+            state = self.pipe.prepare(
+                [req.prompt] * req.num_images, [req.negative_prompt] * req.num_images, steps=req.steps,
+                guidance_scale=req.guidance_scale, seed=seed, scheduler=req.scheduler or None, eta=req.eta,
+                height=height, width=width, guidance=req.guidance or None, negative_weight=req.negative_weight,
+            )
+            return self.batcher.submit(state, on_step, cancel.is_set)
 
-        task = asyncio.ensure_future(asyncio.to_thread(run))
         try:
+            future = await asyncio.to_thread(prepare)
+            future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, _DONE))
             last = 0.0
             while (event := await queue.get()) is not _DONE:
                 if event.HasField("progress"):
-                    self.metrics.denoising_step(event.progress.elapsed_s - last)
+                    if event.progress.step:  # step 0 says the denoising started; the steps count from there
+                        self.metrics.denoising_step(event.progress.elapsed_s - last)
                     last = event.progress.elapsed_s
                 yield event
-            latents = await task  # (N, C, h, w), ready for the VAE's decode
+            latents = future.result()  # (N, C, h, w), ready for the VAE's decode
         finally:
-            cancel.set()  # the loop stops at its next step when the client went away
+            cancel.set()  # the loop drops this request at its next step when the client went away
         images = await self._decoder().Decode.remote(vae_pb2.DecodeRequest(latents=tensor_message(latents)))
         images.seed = seed
         self.metrics.images("Generate", len(images.images))
@@ -190,4 +206,4 @@ class Diffusion:
 
 
 def build(args: dict[str, Any] | None = None) -> Application:
-    return build_app("diffusion", Diffusion, args)
+    return build_app("diffusion", Diffusion, args, StepBatchArgs)

@@ -42,3 +42,18 @@ def perp_neg(uncond: torch.Tensor, cond: torch.Tensor, negative: torch.Tensor, g
     """Perp-Neg: uncond + w (d_p − w_n d_n⊥) with d_p = cond − uncond and d_n = negative − uncond (all (N, ...))."""
     d_p = cond - uncond
     return uncond + guidance_scale * (d_p - negative_weight * perpendicular(negative - uncond, d_p))
+
+
+def combine(out: torch.Tensor, passes: int, guidance_scale: float, mode: str,
+            negative_weight: float = DEFAULT_NEGATIVE_WEIGHT) -> torch.Tensor:
+    """The guided prediction from one U-Net output of ``passes`` blocks of N rows (prompts, unconditional input,
+    then negatives): 1 is the prompts alone, 2 classifier-free guidance, 3 Perp-Neg."""
+    if passes == 1:
+        return out
+    if passes == 2:
+        cond, uncond = out.chunk(2)
+        return cfg(uncond, cond, guidance_scale)
+    if mode != "perp_neg" or passes != 3:
+        raise ValueError(f"context must hold 2N rows, or 3N under perp_neg; got {passes}N with {mode!r}")
+    cond, uncond, negative = out.chunk(3)
+    return perp_neg(uncond, cond, negative, guidance_scale, negative_weight)

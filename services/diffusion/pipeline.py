@@ -13,11 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from services.diffusion.components import DiffusionComponents
-from services.diffusion.guidance import DEFAULT_NEGATIVE_WEIGHT, GUIDANCE_MODES, cfg, perp_neg
+from services.diffusion.denoising import Denoising
+from services.diffusion.guidance import DEFAULT_NEGATIVE_WEIGHT, GUIDANCE_MODES, combine
 from services.diffusion.model import LatentDiffusion, load_diffusion
 from services.diffusion.schedulers import SCHEDULERS, make_scheduler
 from services.diffusion.sd_folder import is_diffusers_pipeline, load_sd_components
@@ -126,14 +128,10 @@ class DiffusionPipeline:
             return self.model.unet(latents, t.expand(n), context if isinstance(context, ContextCache) else context[:n],
                                    temb=temb)
         passes = (context.context if isinstance(context, ContextCache) else context).shape[0] // n
+        if passes == 1:
+            raise ValueError(f"context must hold 2N rows, or 3N under perp_neg; got 1N with {guidance!r}")
         out = self.model.unet(torch.cat([latents] * passes), t.expand(passes * n), context, temb=temb)  # (kN, C, h, w)
-        if passes == 2:
-            cond, uncond = out.chunk(2)
-            return cfg(uncond, cond, guidance_scale)
-        if guidance != "perp_neg" or passes != 3:
-            raise ValueError(f"context must hold 2N rows, or 3N under perp_neg; got {passes}N with {guidance!r}")
-        cond, uncond, negative = out.chunk(3)
-        return perp_neg(uncond, cond, negative, guidance_scale, negative_weight)
+        return combine(out, passes, guidance_scale, guidance, negative_weight)
 
     def _guidance_texts(self, n: int, negative_prompts: list[str] | None, guidance: str,
                         guidance_scale: float) -> list[str]:
@@ -147,7 +145,7 @@ class DiffusionPipeline:
         return [""] * n + (negatives if any(negatives) else [])
 
     @torch.inference_mode()
-    def generate(
+    def prepare(
         self,
         prompts: list[str],
         negative_prompts: list[str] | None = None,
@@ -159,22 +157,11 @@ class DiffusionPipeline:
         eta: float = 0.0,
         height: int | None = None,
         width: int | None = None,
-        on_step: Callable[[int, int, torch.Tensor], None] | None = None,
-        should_cancel: Callable[[], bool] | None = None,
         guidance: str | None = None,
         negative_weight: float | None = None,
-    ) -> torch.Tensor:
-        """Latents (N, C, h, w) in the VAE's un-scaled space for N prompts, on the pipeline's device.
-
-        ``guidance`` None is the model's default (``model.default_guidance``), ``negative_weight`` None too. Under
-        ``cfg`` the negative prompt replaces the empty caption as the unconditional input; under ``perp_neg`` a
-        non-empty negative adds a third pass, weighted by ``negative_weight``, and the empty caption stays the
-        unconditional input. ``seed`` fixes the initial noise and any sampler noise (same seed, same prompts, same
-        settings: same latents). ``scheduler`` None is the model's default; ``height``/``width`` None the native
-        size. ``on_step(step, total, latents)`` runs after every step with ``step`` counting from 1;
-        ``should_cancel()`` is checked before every step and raises
-        ``GenerationCancelled``.
-        """
+    ) -> Denoising:
+        """One request, validated, its text encoded and its noise drawn, before its first step (the arguments are
+        ``generate``'s)."""
         scheduler = scheduler or self.model.default_scheduler
         guidance = guidance or self.model.default_guidance
         negative_weight = self.model.default_negative_weight if negative_weight is None else negative_weight
@@ -192,20 +179,47 @@ class DiffusionPipeline:
         # Noise is drawn on the CPU generator so a seed gives the same latents on every device.
         noise = torch.randn((n, *self.latent_shape_for(*size)), generator=generator)
         latents = noise.to(self.device) * sampler.init_noise_sigma
-        scale = self.model.scaling_factor
         # Like the text, the timesteps are known before the first step: embed them all in one batch.
         tembs = self.model.unet.time_embed(timesteps.to(self.device), latents.dtype)  # (steps, temb_dim)
-        timesteps = timesteps.to(self.device)
-        for i in range(steps):
+        return Denoising(latents, sampler, timesteps.to(self.device), tembs, cache, guidance, guidance_scale,
+                         negative_weight, generator, self.model.scaling_factor)
+
+    @torch.inference_mode()
+    def step(self, state: Denoising) -> None:
+        """One step of one request alone: its rows in one U-Net call."""
+        x, t, temb = state.model_input()
+        state.advance(self.model.unet(x, t, state.context, temb=temb))
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: list[str],
+        negative_prompts: list[str] | None = None,
+        *,
+        on_step: Callable[[int, int, torch.Tensor], None] | None = None,
+        should_cancel: Callable[[], bool] | None = None,
+        **settings: Any,
+    ) -> torch.Tensor:
+        """Latents (N, C, h, w) in the VAE's un-scaled space for N prompts, on the pipeline's device.
+
+        ``settings`` are ``prepare``'s: ``steps``, ``guidance_scale``, ``seed``, ``scheduler``, ``eta``, ``height``,
+        ``width``, ``guidance``, ``negative_weight``. ``guidance`` None is the model's default
+        (``model.default_guidance``), ``negative_weight`` None too. Under ``cfg`` the negative prompt replaces the
+        empty caption as the unconditional input; under ``perp_neg`` a non-empty negative adds a third pass,
+        weighted by ``negative_weight``, and the empty caption stays the unconditional input. ``seed`` fixes the
+        initial noise and any sampler noise (same seed, same prompts, same settings: same latents). ``scheduler``
+        None is the model's default; ``height``/``width`` None the native size. ``on_step(step, total, latents)``
+        runs after every step with ``step`` counting from 1; ``should_cancel()`` is checked before every step and
+        raises ``GenerationCancelled``.
+        """
+        state = self.prepare(prompts, negative_prompts, **settings)
+        while not state.done:
             if should_cancel is not None and should_cancel():
-                raise GenerationCancelled(f"cancelled before step {i + 1} of {steps}")
-            model_input = sampler.scale_model_input(latents, i)
-            out = self.guided_output(model_input, timesteps[i], cache, guidance_scale, tembs[i : i + 1], guidance,
-                                     negative_weight)
-            latents = sampler.step(out, i, latents, generator=generator)
+                raise GenerationCancelled(f"cancelled before step {state.index + 1} of {state.steps}")
+            self.step(state)
             if on_step is not None:
-                on_step(i + 1, steps, latents / scale)
-        return latents / scale
+                on_step(state.index, state.steps, state.unscaled())
+        return state.unscaled()
 
     @torch.inference_mode()
     def preview(self, latents: torch.Tensor) -> torch.Tensor:

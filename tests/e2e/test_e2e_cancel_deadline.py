@@ -30,11 +30,20 @@ def test_a_passed_deadline_ends_the_call_and_stops_the_denoising(stack, client: 
 
 
 def test_cancelling_a_200_step_diffusion_stream_stops_the_denoising(stack, client: Client) -> None:
-    before = stack.settled_metric(STEPS)
-    stream = client.diffuse_stream("a large red circle", num_images=8, steps=200, seed=1)
-    first = next(stream)
-    assert first.WhichOneof("event") == "progress" and first.progress.total_steps == 200
-    stream.close()  # cancels the call; the replica drops the request from the loop at its next step
-    ran = stack.settled_metric(STEPS) - before
-    assert 1 <= ran < 100, f"{ran} steps ran after the client cancelled"
+    """The replica drops a cancelled request at its next step, once Ray's proxy passes the cancellation on. The
+    proxy loses it when the cancel lands while it is writing the previous event to the client (its handler is then
+    cancelled outside the replica call, ray-project/ray#42665): measured in 3 of 15 and 3 of 40 tries of this
+    exact pattern, reading one event and closing (docs/protocol.md, Cancellation). So up to 3 tries; every try that
+    the proxy passes on must stop within a metrics interval."""
+    runs = []
+    for seed in (1, 2, 3):
+        before = stack.settled_metric(STEPS)
+        stream = client.diffuse_stream("a large red circle", num_images=8, steps=200, seed=seed)
+        first = next(stream)
+        assert first.WhichOneof("event") == "progress" and (first.progress.step, first.progress.total_steps) == (0, 200)
+        stream.close()  # cancels the call; the replica drops the request from the loop at its next step
+        runs.append(stack.settled_metric(STEPS, timeout_s=60) - before)
+        if runs[-1] < 200:
+            break
+    assert runs[-1] < 100, f"steps that ran after each cancel: {runs}"
     assert len(client.diffuse("a small blue square", num_images=1, steps=2, seed=1).images) == 1

@@ -69,9 +69,9 @@ SCENARIOS = {
     # Realistic requests (48 new tokens, 20 denoising steps): long enough that text and diffusion replicas
     # exceed their target_ongoing_requests and the autoscaler adds a replica.
     "mixed": Scenario("mixed", 16, 4, 60, 0.5, "text=4,gan=2,vae=2,diffusion=2,http=3", 48, 20, 40),
-    # 16 diffusion users, more than 2 replicas x max_ongoing_requests + max_queued_requests (12) admit; the other
+    # 28 diffusion users, more than 2 replicas x max_ongoing_requests + max_queued_requests (24) admit; the other
     # apps keep a light load to show they are unaffected.
-    "overload": Scenario("overload", 28, 14, 30, 0.5, "text=1,gan=1,vae=1,diffusion=4,http=1", 48, 20, 30),
+    "overload": Scenario("overload", 44, 22, 30, 0.5, "text=1,gan=1,vae=1,diffusion=7,http=1", 48, 20, 30),
 }
 
 
