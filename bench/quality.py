@@ -95,8 +95,8 @@ def diffusion_rows(n: int, weights: Path | None = None) -> list[Row]:
 
 
 # (guidance mode, negative weight) pairs the negative-prompt table compares; None: the model's default weight.
-NEGATIVE_MODES: tuple[tuple[str, float | None], ...] = (("perp_neg", 0.5), ("cfg", None), ("perp_neg", 1.0),
-                                                      ("perp_neg", 0.75))
+NEGATIVE_MODES: tuple[tuple[str, float | None], ...] = (("perp_neg", 0.3), ("cfg", None), ("perp_neg", 0.5),
+                                                      ("perp_neg", 0.75), ("perp_neg", 1.0))
 NEGATIVE_GOALS = {"colour": 0.95, "shape": 0.85, "position": 0.90}
 
 
