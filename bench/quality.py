@@ -1,7 +1,7 @@
 """Image-model quality from the committed weights, as one markdown table of goal / measured / met.
 
     python -m bench.quality [--quick] [--skip-diffusion] [--negatives | --negatives-only] [--out docs/quality.md]
-                            [--grids docs/img] [--threads 1]
+                            [--grids docs/img] [--threads 1] [--diffusion-weights DIR] [--negative-modes perp_neg:0.5]
 
 Every number is read by the project's attribute reader (services/shapes/reader.py), on held-out data:
 - dataset: the reader's own accuracy (all four attributes right) on 1,000 held-out dataset images;
@@ -22,6 +22,7 @@ writes the sample grids the docs show (shapes_*, vae_*, gan_* PNGs), from the sa
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from collections.abc import Callable
@@ -83,29 +84,32 @@ def gan_rows(n: int) -> list[Row]:
     return rows
 
 
-def diffusion_rows(n: int) -> list[Row]:
+def diffusion_rows(n: int, weights: Path | None = None) -> list[Row]:
     from services.diffusion.evaluate import evaluate
+    from services.diffusion.pipeline import DiffusionPipeline
 
-    scores = evaluate(n_prompts=n, steps=20, guidance_scale=3.0, seed=0)
+    scores = evaluate(n_prompts=n, steps=20, guidance_scale=3.0, seed=0, pipeline=DiffusionPipeline.from_dir(weights))
     goals = {"colour": 0.95, "shape": 0.85, "position": 0.80, "size": None, "all": None}
     where = f"{n} held-out prompts, 20 steps, guidance 3"
     return [_row(f"diffusion: {attr} correct ({where})", scores[attr], goal) for attr, goal in goals.items()]
 
 
 # (guidance mode, negative weight) pairs the negative-prompt table compares; None: the model's default weight.
-NEGATIVE_MODES: tuple[tuple[str, float | None], ...] = (("perp_neg", 0.5), ("cfg", None), ("perp_neg", 1.0),
-                                                      ("perp_neg", 0.75))
+NEGATIVE_MODES: tuple[tuple[str, float | None], ...] = (("perp_neg", 0.3), ("cfg", None), ("perp_neg", 0.5),
+                                                      ("perp_neg", 0.75), ("perp_neg", 1.0))
 NEGATIVE_GOALS = {"colour": 0.95, "shape": 0.85, "position": 0.90}
 
 
-def negative_tables(n: int) -> str:
-    """The negative-prompt adherence table and the steering table, per mode in ``NEGATIVE_MODES``. Without a
-    negative every mode runs the same two passes, so that row and the steering baseline are computed once."""
+def negative_tables(n: int, weights: Path | None = None,
+                    modes: tuple[tuple[str, float | None], ...] = NEGATIVE_MODES) -> str:
+    """The negative-prompt adherence table and the steering table, per mode in ``modes``, for the diffusion
+    weights in ``weights`` (None: the committed ones). Without a negative every mode runs the same two passes, so
+    that row and the steering baseline are computed once."""
     from services.diffusion.negatives import adherence, open_colour_reads, steering
     from services.diffusion.pipeline import DiffusionPipeline
     from services.vae.model import load_vae
 
-    pipe, vae = DiffusionPipeline.from_dir(), load_vae()
+    pipe, vae = DiffusionPipeline.from_dir(weights), load_vae()
     default = (pipe.model.default_guidance, pipe.model.default_negative_weight)
     adherence_lines = [f"| guidance | negatives ({n} held-out prompts, 20 steps, guidance 3) | colour | shape | "
                        "position | size | all | goals met (colour ≥ 0.95, shape ≥ 0.85, position ≥ 0.90) |",
@@ -121,7 +125,7 @@ def negative_tables(n: int) -> str:
 
     add_adherence("every mode", "none", adherence(pipe, vae, "none", n_prompts=n))
     before = open_colour_reads(pipe, vae, n_prompts=n)
-    for mode, weight in NEGATIVE_MODES:
+    for mode, weight in modes:
         w_n = default[1] if weight is None else weight
         name = mode if mode == "cfg" else f"{mode}, w_n = {w_n:g}"
         name += " (default)" if (mode, w_n) == default else ""
@@ -134,6 +138,15 @@ def negative_tables(n: int) -> str:
                               f"{figures['kept']:.3f} |")
         print(steering_lines[-1], file=sys.stderr, flush=True)
     return "\n".join(adherence_lines) + "\n\n" + "\n".join(steering_lines)
+
+
+def _parse_modes(text: str) -> tuple[tuple[str, float | None], ...]:
+    """'perp_neg:0.5,cfg' -> (("perp_neg", 0.5), ("cfg", None))."""
+    modes = []
+    for item in text.split(","):
+        mode, _, weight = item.strip().partition(":")
+        modes.append((mode, float(weight) if weight else None))
+    return tuple(modes)
 
 
 def _guarded(name: str, build: Callable[[int], list[Row]], n: int) -> list[Row]:
@@ -206,20 +219,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--negatives", action="store_true", help="also the negative-prompt tables (200 prompts)")
     parser.add_argument("--negatives-only", action="store_true", help="only the negative-prompt tables")
     parser.add_argument("--negative-prompts", type=int, default=200, help="prompts per negative-prompt row")
+    parser.add_argument("--negative-modes", default=None,
+                        help="only these guidance modes in the negative-prompt tables, e.g. 'perp_neg:0.5,cfg' "
+                             "(default: every mode of NEGATIVE_MODES)")
+    parser.add_argument("--diffusion-weights", type=Path, default=None,
+                        help="diffusion checkpoint directory for the diffusion rows and tables (default: committed)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
     parser.add_argument("--grids", type=Path, default=None, help="also write the docs' sample grids (PNG) here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     n = 200 if args.quick else 1000
+    modes = NEGATIVE_MODES if args.negative_modes is None else _parse_modes(args.negative_modes)
+    negatives = functools.partial(negative_tables, weights=args.diffusion_weights, modes=modes)
     if args.negatives_only:
-        return _print_and_write(negative_tables(args.negative_prompts), args.out)
+        return _print_and_write(negatives(args.negative_prompts), args.out)
     rows = _guarded("dataset", dataset_rows, n) + _guarded("VAE", vae_rows, n) + _guarded("GAN", gan_rows, n)
     if args.skip_diffusion:
         rows += _missing("diffusion", "skipped (--skip-diffusion)")
     else:
-        rows += _guarded("diffusion", diffusion_rows, 200)
-    text = table(rows) + (f"\n\n{negative_tables(args.negative_prompts)}" if args.negatives else "")
+        rows += _guarded("diffusion", functools.partial(diffusion_rows, weights=args.diffusion_weights), 200)
+    text = table(rows) + (f"\n\n{negatives(args.negative_prompts)}" if args.negatives else "")
     _print_and_write(text, args.out)
     if args.grids is not None:
         for path in write_grids(args.grids):

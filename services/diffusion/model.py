@@ -24,7 +24,7 @@ DEMO_VAE_SCALE_FACTOR = 4
 # Perp-Neg keeps the prompt's colour, shape and position when a negative prompt is given, where CFG's (prompt −
 # negative) extrapolates away from them (docs/models.md, "Negative prompts").
 DEMO_DEFAULT_GUIDANCE = "perp_neg"
-DEMO_NEGATIVE_WEIGHT = 0.5
+DEMO_NEGATIVE_WEIGHT = 0.3
 
 
 @dataclass(frozen=True)

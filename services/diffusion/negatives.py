@@ -17,7 +17,7 @@ import numpy as np
 
 from services.diffusion.evaluate import generate_images, heldout_prompts
 from services.diffusion.pipeline import DiffusionPipeline
-from services.shapes.dataset import COLOURS, POSITIONS, SHAPES
+from services.shapes.dataset import COLOURS, POSITIONS, SHAPES, partial_caption
 from services.shapes.reader import accuracy, read_batch
 from services.vae.model import VAE
 
@@ -30,18 +30,14 @@ def _other(rng: np.random.Generator, values: tuple[str, ...], excluded: str) -> 
     return choices[rng.integers(len(choices))]
 
 
-def _where(position: str) -> str:
-    return f"{'in' if position == 'center' else 'at'} the {position}"
-
-
 def contrasting_negative(attrs: dict[str, str], kind: str, rng: np.random.Generator) -> str:
     """A negative naming another ``kind`` ("colour", "shape" or "position") than ``attrs`` asks for."""
     if kind == "colour":
-        return f"a {_other(rng, tuple(COLOURS), attrs['colour'])} {attrs['shape']}"
+        return partial_caption({"colour": _other(rng, tuple(COLOURS), attrs["colour"]), "shape": attrs["shape"]})
     if kind == "shape":
-        return f"a {attrs['colour']} {_other(rng, SHAPES, attrs['shape'])}"
+        return partial_caption({"colour": attrs["colour"], "shape": _other(rng, SHAPES, attrs["shape"])})
     if kind == "position":
-        return f"a {attrs['shape']} {_where(_other(rng, tuple(POSITIONS), attrs['position']))}"
+        return partial_caption({"shape": attrs["shape"], "position": _other(rng, tuple(POSITIONS), attrs["position"])})
     raise ValueError(f"kind must be one of {NEGATIVE_KINDS}, got {kind!r}")
 
 
@@ -53,7 +49,7 @@ def contrasting_negatives(attrs: list[dict[str, str]], seed: int = 0) -> list[st
 
 def open_colour_prompt(attrs: dict[str, str]) -> str:
     """The caption of ``attrs`` without its colour, e.g. "a large circle at the top left"."""
-    return f"a {attrs['size']} {attrs['shape']} {_where(attrs['position'])}"
+    return partial_caption({key: attrs[key] for key in ("size", "shape", "position")})
 
 
 def adherence(pipe: DiffusionPipeline, vae: VAE, negatives: str, *, n_prompts: int = 200, guidance: str | None = None,
@@ -89,7 +85,8 @@ def steering(pipe: DiffusionPipeline, vae: VAE, before: Reads, *, guidance: str 
     with the negative ("with"), and how often shape, size and position all stayed right with it ("kept")."""
     _, attrs = heldout_prompts(len(before), seed)
     named = [r["colour"] for r in before]
-    negatives = [f"a {c} {a['shape']}" if c else GENERIC_NEGATIVE for c, a in zip(named, attrs, strict=True)]
+    negatives = [partial_caption({"colour": c, "shape": a["shape"]}) if c else GENERIC_NEGATIVE
+                 for c, a in zip(named, attrs, strict=True)]
     after = read_batch(generate_images(pipe, vae, [open_colour_prompt(a) for a in attrs], steps=steps,
                                        guidance_scale=guidance_scale, seed=seed, scheduler=scheduler,
                                        negative_prompts=negatives, guidance=guidance,

@@ -8,9 +8,16 @@ Data: a pool of training-split images is rendered once per run, encoded by the f
 and multiplied by the VAE's ``scaling_factor``; each step draws a batch from the pool, samples z = μ + σ ε, a
 timestep and noise, and regresses the U-Net onto the schedule's target (ε or v). ``--caption-dropout`` of the
 captions are replaced by the empty prompt so the same network is also the unconditional model that classifier-free
-guidance needs. Every ``--eval-every`` steps the EMA model is scored on held-out prompts with the attribute reader
-(prompt adherence, which moves long after the loss flattens); every ``--sample-every`` steps a grid of fixed
-prompts lands in ``<run-dir>/samples/``. At the end the EMA weights are exported (float16) to ``--out``.
+guidance needs. ``--partial-captions`` of the others keep a random non-empty subset of their four attributes
+("a green square", "a square at the bottom right"), so that a prompt or a negative prompt naming only some
+attributes means something to the model; Perp-Neg's negative direction (issue 18) is only as good as the model's
+reading of such partial captions. ``--unknown-words`` of the captions get one or two words outside the vocabulary
+inserted (an empty caption becomes "a" and those words, like "a blurry image"), so that words the model cannot know
+leave the image as it would be without them. Every ``--eval-every`` steps the EMA model is scored on held-out
+prompts with the attribute reader (prompt adherence, which moves long after the loss flattens); every
+``--sample-every`` steps a grid of fixed prompts lands in ``<run-dir>/samples/``. At the end the EMA weights are
+exported (float16) to ``--out``. ``--init`` starts a fresh run directory from exported weights (e.g.
+``services/diffusion/weights``) to fine-tune them, without the run directory they came from.
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ from services.diffusion.model import (
 from services.diffusion.pipeline import DiffusionPipeline
 from services.diffusion.samples import DOC_PROMPTS
 from services.diffusion.schedulers.schedule import add_noise, alphas_cumprod, training_target
-from services.shapes.dataset import sample_batch
+from services.diffusion.tokenizer import WordTokenizer
+from services.shapes.dataset import CAPTION_ATTRIBUTES, attribute_subset, caption, partial_caption, sample_batch
 from services.shapes.grid import save_grid
 from services.shapes.train_state import has_train_state, load_train_state, save_train_state
 from services.vae.model import VAE, load_vae
@@ -53,7 +61,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--ema", type=float, default=0.998, help="EMA decay of the exported weights")
-    parser.add_argument("--caption-dropout", type=float, default=0.15)
+    parser.add_argument("--caption-dropout", type=float, default=0.15, help="fraction of captions made empty")
+    parser.add_argument("--partial-captions", type=float, default=0.0,
+                        help="fraction of the captions --caption-dropout leaves that keep only a random non-empty "
+                             "subset of size, colour, shape and position (\"a green square\")")
+    parser.add_argument("--unknown-words", type=float, default=0.0,
+                        help="fraction of captions (full, partial or empty) given 1-2 out-of-vocabulary words, "
+                             "so that unknown words are learned to mean nothing")
+    parser.add_argument("--init", type=Path, default=None,
+                        help="exported weights to start a fresh --run-dir from (fine-tuning); its model config wins "
+                             "over --channels/--layers-per-block/--text-dim")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pool-size", type=int, default=40000, help="training images encoded once per run")
     parser.add_argument("--channels", type=str, default="64,128", help="U-Net block_out_channels")
@@ -89,15 +106,16 @@ def ema_update(ema: LatentDiffusion, model: LatentDiffusion, decay: float, step:
 
 
 @torch.no_grad()
-def encode_pool(vae: VAE, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, list[str], torch.Tensor]:
-    """(means, stds, captions, images at 8×8) of ``n`` training images; latents in the VAE's un-scaled space."""
-    images, captions, _ = sample_batch(n, seed=seed, split="train")
+def encode_pool(vae: VAE, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, str]],
+                                                       torch.Tensor]:
+    """(means, stds, attributes, images at 8×8) of ``n`` training images; latents in the VAE's un-scaled space."""
+    images, _, attrs = sample_batch(n, seed=seed, split="train")
     means, stds = [], []
     for chunk in images.split(500):
         mean, logvar = vae.encode(chunk)
         means.append(mean)
         stds.append(torch.exp(0.5 * logvar))
-    return torch.cat(means), torch.cat(stds), captions, F.avg_pool2d(images, 4)
+    return torch.cat(means), torch.cat(stds), attrs, F.avg_pool2d(images, 4)
 
 
 @torch.no_grad()
@@ -123,12 +141,48 @@ def build(args: argparse.Namespace, scaling_factor: float) -> tuple[LatentDiffus
         counters = load_train_state(args.run_dir, {"adamw": optimizer})
         return model, ema, optimizer, counters
     torch.manual_seed(args.seed)
-    channels = tuple(int(c) for c in args.channels.split(","))
-    config = default_config(scaling_factor, channels, args.text_dim, args.layers_per_block)
-    model = LatentDiffusion(config)
+    counters = {"step": 0, "images_seen": 0, "train_seconds": 0.0, "evals": []}
+    if args.init is not None:
+        extra = read_extra(args.init)
+        model = load_weights(args.init, LatentDiffusion(DiffusionConfig.from_dict(extra)))  # float16 -> float32
+        counters["init"] = {"weights": str(args.init), "train": {k: v for k, v in extra.get("train", {}).items()
+                                                                 if k != "evals"}}
+    else:
+        channels = tuple(int(c) for c in args.channels.split(","))
+        model = LatentDiffusion(default_config(scaling_factor, channels, args.text_dim, args.layers_per_block))
     ema = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    return model, ema, optimizer, {"step": 0, "images_seen": 0, "train_seconds": 0.0, "evals": []}
+    return model, ema, optimizer, counters
+
+
+def training_captions(attrs: list[dict[str, str]], partial: float, generator: torch.Generator) -> list[str]:
+    """The caption of each of ``attrs``; with probability ``partial`` only a uniformly random non-empty subset of
+    its attributes is named (``partial_caption``). Draws nothing from ``generator`` when ``partial`` is 0."""
+    if partial <= 0:
+        return [partial_caption(a) for a in attrs]
+    keep = torch.rand(len(attrs), generator=generator) < partial
+    masks = torch.randint(1, 2 ** len(CAPTION_ATTRIBUTES), (len(attrs),), generator=generator)
+    return [partial_caption(attribute_subset(a, int(m)) if k else a) for a, k, m in zip(attrs, keep, masks,
+                                                                                          strict=True)]
+
+
+def insert_unknown_words(ids: torch.Tensor, tokenizer: WordTokenizer, probability: float,
+                         generator: torch.Generator) -> torch.Tensor:
+    """With ``probability`` per row, one or two ``<unk>`` ids inserted at random places after ``<bos>`` (the rest
+    shifted right and cut at the fixed length); an empty caption becomes "a" and the unknown words."""
+    out = ids.clone()
+    chosen = torch.rand(len(ids), generator=generator) < probability
+    counts = torch.randint(1, 3, (len(ids),), generator=generator)
+    places = torch.rand(len(ids), 2, generator=generator)
+    a_id = tokenizer.vocabulary.index("a")
+    for row in chosen.nonzero().flatten().tolist():
+        words = [i for i in ids[row, 1:].tolist() if i != tokenizer.pad_id] or [a_id]
+        for place in places[row, : int(counts[row])].tolist():
+            at = 1 + int(place * len(words))  # after the first word, so an article stays first
+            words.insert(min(at, len(words)), tokenizer.unk_id)
+        words = [tokenizer.bos_id, *words][: tokenizer.max_length]
+        out[row] = torch.tensor(words + [tokenizer.pad_id] * (tokenizer.max_length - len(words)))
+    return out
 
 
 def save_run(args: argparse.Namespace, model: LatentDiffusion, ema: LatentDiffusion,
@@ -172,14 +226,14 @@ def run(args: argparse.Namespace) -> dict:
         model.config = ema.config = dataclasses.replace(model.config, scaling_factor=vae.scaling_factor)
         counters.setdefault("vae_switches", []).append({"step": counters["step"], "scaling_factor": vae.scaling_factor})
     config = model.config
-    means, stds, captions, small = encode_pool(vae, args.pool_size, seed=args.seed)
-    if counters["step"] == 0 or new_vae:
+    means, stds, attrs, small = encode_pool(vae, args.pool_size, seed=args.seed)
+    if (counters["step"] == 0 and args.init is None) or new_vae:
         fit_preview(model, means[:4000], small[:4000])
         ema.preview.load_state_dict(model.preview.state_dict())
-    print(json.dumps({"params": sum(p.numel() for p in model.parameters()), "pool": len(captions),
+    print(json.dumps({"params": sum(p.numel() for p in model.parameters()), "pool": len(attrs),
                       "scaled_latent_std": round(float((means * config.scaling_factor).std()), 3)}))
     tokenizer = model.tokenizer()
-    pool_ids = tokenizer(captions)
+    pool_ids = tokenizer([caption(a) for a in attrs])
     empty_ids = tokenizer([""])[0]
     abar = alphas_cumprod(config.schedule)
 
@@ -191,10 +245,16 @@ def run(args: argparse.Namespace) -> dict:
     for step in bar:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args.steps, args.lr)
-        index = torch.randint(0, len(captions), (args.batch_size,), generator=gen)
+        index = torch.randint(0, len(attrs), (args.batch_size,), generator=gen)
         z = (means[index] + stds[index] * torch.randn(means[index].shape, generator=gen)) * config.scaling_factor
         ids = pool_ids[index].clone()
         ids[torch.rand(args.batch_size, generator=gen) < args.caption_dropout] = empty_ids
+        if args.partial_captions > 0:  # drawn after the dropout, so runs without it keep their random stream
+            dropped = (ids == empty_ids).all(dim=1)
+            partial = tokenizer(training_captions([attrs[i] for i in index.tolist()], args.partial_captions, gen))
+            ids = torch.where(dropped[:, None], ids, partial)
+        if args.unknown_words > 0:
+            ids = insert_unknown_words(ids, tokenizer, args.unknown_words, gen)
         loss = training_loss(model, config, abar, z, ids, gen)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

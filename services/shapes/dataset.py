@@ -42,6 +42,8 @@ POSITIONS: dict[str, tuple[float, float]] = {
     "bottom right": (22.0, 22.0),
 }
 SPLITS: dict[str, int] = {"train": 0, "heldout": 1}
+# The attributes a caption names, in its word order.
+CAPTION_ATTRIBUTES: tuple[str, ...] = ("size", "colour", "shape", "position")
 
 # Half-extent of the shape's bounding box, in pixels (bounding box is 2·h wide); jittered by ±SIZE_JITTER.
 HALF_EXTENT = {"small": 4.5, "large": 7.75}
@@ -65,10 +67,31 @@ def all_attribute_combinations() -> list[dict[str, str]]:
     ]
 
 
+def position_phrase(position: str) -> str:
+    """The position phrase of a caption: "at the top left", "in the center"."""
+    return f"{'in' if position == 'center' else 'at'} the {position}"
+
+
 def caption(attrs: dict[str, str]) -> str:
     """The caption of ``attrs``, e.g. "a large red circle at the top left" or "a small blue cross in the center"."""
-    where = "in the" if attrs["position"] == "center" else "at the"
-    return f"a {attrs['size']} {attrs['colour']} {attrs['shape']} {where} {attrs['position']}"
+    return f"a {attrs['size']} {attrs['colour']} {attrs['shape']} {position_phrase(attrs['position'])}"
+
+
+def partial_caption(attrs: dict[str, str]) -> str:
+    """The caption of whichever of size, colour, shape and position ``attrs`` names, in ``caption``'s grammar and
+    order, the others left out: "a green square", "a square at the bottom right", "a large circle at the top left",
+    "a red" (no shape), "at the top left" (position only). With all four it equals ``caption``; with none it is the
+    empty caption. The article stays "a", as in every full caption."""
+    words = [attrs[key] for key in ("size", "colour", "shape") if attrs.get(key)]
+    parts = [f"a {' '.join(words)}"] if words else []
+    if attrs.get("position"):
+        parts.append(position_phrase(attrs["position"]))
+    return " ".join(parts)
+
+
+def attribute_subset(attrs: dict[str, str], mask: int) -> dict[str, str]:
+    """The attributes of ``attrs`` whose bit is set in ``mask`` (bit i: ``CAPTION_ATTRIBUTES[i]``); 15 = all four."""
+    return {key: attrs[key] for i, key in enumerate(CAPTION_ATTRIBUTES) if mask >> i & 1}
 
 
 def parse_caption(text: str) -> dict[str, str] | None:

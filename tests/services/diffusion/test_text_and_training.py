@@ -106,3 +106,63 @@ def test_evaluate_scores_heldout_prompts_with_the_reader(tiny_pipe) -> None:
     result = evaluate(n_prompts=3, steps=2, pipeline=tiny_pipe, vae=vae)
     assert set(result) >= {"colour", "shape", "size", "position", "all", "seconds_per_image"}
     assert all(0.0 <= result[k] <= 1.0 for k in ("colour", "shape", "size", "position", "all"))
+
+
+def test_training_captions_keep_random_non_empty_subsets() -> None:
+    attrs = [{"size": "large", "colour": "yellow", "shape": "circle", "position": "top left"}] * 3000
+    full = "a large yellow circle at the top left"
+    gen = torch.Generator().manual_seed(0)
+    assert train.training_captions(attrs[:5], 0.0, gen) == [full] * 5
+    assert gen.initial_seed() == 0 and torch.rand(1, generator=gen).item() == \
+        torch.rand(1, generator=torch.Generator().manual_seed(0)).item()  # p = 0 drew nothing
+    texts = train.training_captions(attrs, 0.5, torch.Generator().manual_seed(1))
+    partial = [t for t in texts if t != full]
+    # half keep a subset; 1 in 15 of those is the full set again, so 0.5 * 14 / 15 of all differ
+    assert abs(len(partial) / len(texts) - 0.5 * 14 / 15) < 0.03
+    assert "" not in texts
+    assert {"a yellow circle", "a circle at the top left", "a large circle at the top left", "at the top left",
+            "a large", "a yellow"} <= set(partial)
+    assert len(set(texts)) == 15
+    assert texts == train.training_captions(attrs, 0.5, torch.Generator().manual_seed(1))  # seeded
+
+
+def test_insert_unknown_words() -> None:
+    tok = WordTokenizer(caption_vocabulary(), max_length=12)
+    ids = tok(["a red circle", "", "a large red circle at the top left"])
+    gen = torch.Generator().manual_seed(0)
+    assert torch.equal(train.insert_unknown_words(ids, tok, 0.0, gen), ids)
+    out = train.insert_unknown_words(ids, tok, 1.0, torch.Generator().manual_seed(0))
+    vocab = caption_vocabulary()
+    for before, after in zip(ids.tolist(), out.tolist(), strict=True):
+        assert after[0] == tok.bos_id and after[1] != tok.unk_id  # the first word stays first
+        assert 1 <= after.count(tok.unk_id) <= 2
+        # without the unknown ids it is the caption again ("a" for the empty one), in order
+        words = [i for i in before if i != tok.pad_id] if before[1] != tok.pad_id else [tok.bos_id, vocab.index("a")]
+        assert [i for i in after if i not in (tok.unk_id, tok.pad_id)] == words
+    assert out[1, :2].tolist() == [tok.bos_id, vocab.index("a")]
+
+
+def test_init_fine_tunes_exported_weights_in_a_fresh_run_dir(tmp_path: Path) -> None:
+    vae_dir = tmp_path / "vae"
+    torch.manual_seed(0)
+    save_checkpoint(vae_dir, VAE(VAEConfig(block_out_channels=(8, 8, 8), norm_groups=4, scaling_factor=0.7)),
+                    VAEConfig(block_out_channels=(8, 8, 8), norm_groups=4, scaling_factor=0.7))
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    common = ["--vae", str(vae_dir), "--pool-size", "64", "--batch-size", "8", "--channels", "32", "--text-dim", "32",
+              "--sample-every", "1000", "--eval-every", "1000", "--final-eval-prompts", "2", "--no-progress"]
+    train.run(parser.parse_args(common + ["--run-dir", str(tmp_path / "a"), "--out", str(tmp_path / "w"),
+                                          "--steps", "2"]))
+    base = load_diffusion(tmp_path / "w")
+    # --init with --lr 0: the exported model comes back unchanged (float16 -> float32 -> float16), in a new run dir
+    train.run(parser.parse_args(common + ["--run-dir", str(tmp_path / "b"), "--out", str(tmp_path / "w2"),
+                                          "--init", str(tmp_path / "w"), "--steps", "2", "--lr", "0",
+                                          "--partial-captions", "0.5", "--unknown-words", "0.2",
+                                          "--channels", "16,32"]))
+    tuned = load_diffusion(tmp_path / "w2")
+    assert tuned.config == base.config  # the init's config, not --channels
+    for (name, a), b in zip(base.state_dict().items(), tuned.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    extra = read_extra(tmp_path / "b")["train"]
+    assert extra["step"] == 2 and extra["init"]["train"]["step"] == 2
+    assert extra["init"]["weights"] == str(tmp_path / "w")

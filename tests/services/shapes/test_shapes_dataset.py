@@ -10,8 +10,10 @@ from services.shapes.dataset import (
     SHAPES,
     SIZES,
     all_attribute_combinations,
+    attribute_subset,
     caption,
     parse_caption,
+    partial_caption,
     render,
     sample_batch,
     to_tensor,
@@ -83,3 +85,29 @@ def test_render_paints_the_palette_colour_at_the_anchor_on_a_light_background():
 def test_uint8_tensor_conversion_round_trips():
     images = np.random.default_rng(0).integers(0, 256, size=(2, 32, 32, 3), dtype=np.uint8)
     np.testing.assert_array_equal(to_uint8(to_tensor(images)), images)
+
+
+def test_partial_caption_renders_any_subset_in_the_caption_grammar() -> None:
+    attrs = {"size": "large", "colour": "green", "shape": "square", "position": "bottom right"}
+    assert partial_caption(attrs) == caption(attrs) == "a large green square at the bottom right"
+    assert partial_caption({"colour": "green", "shape": "square"}) == "a green square"
+    assert partial_caption({"shape": "square", "position": "bottom right"}) == "a square at the bottom right"
+    assert partial_caption({"size": "large", "shape": "circle", "position": "top left"}) == \
+        "a large circle at the top left"
+    assert partial_caption({"colour": "blue", "position": "center"}) == "a blue in the center"
+    assert partial_caption({"position": "center"}) == "in the center"
+    assert partial_caption({"size": "small"}) == "a small"
+    assert partial_caption({}) == ""
+    # None means "not named", as a reader's unreadable attribute does
+    assert partial_caption({"colour": None, "shape": "cross"}) == "a cross"
+
+
+def test_attribute_subset_masks_follow_caption_order() -> None:
+    attrs = {"size": "small", "colour": "red", "shape": "cross", "position": "top right"}
+    assert attribute_subset(attrs, 15) == attrs
+    assert attribute_subset(attrs, 0b0110) == {"colour": "red", "shape": "cross"}
+    assert attribute_subset(attrs, 0b1100) == {"shape": "cross", "position": "top right"}
+    assert attribute_subset(attrs, 0b0001) == {"size": "small"}
+    # every one of the 15 non-empty subsets renders to a distinct caption
+    texts = {partial_caption(attribute_subset(attrs, m)) for m in range(1, 16)}
+    assert len(texts) == 15 and "" not in texts
