@@ -263,7 +263,8 @@ def _client_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--guidance", type=float, default=3.0, help="guidance scale")
     p.add_argument("--guidance-mode", default="", choices=("", "cfg", "perp_neg"),
                    help="how the negative prompt steers (default: the model's; docs/protocol.md)")
-    p.add_argument("--negative-weight", type=float, help="perp_neg's negative weight (default 1)")
+    p.add_argument("--negative-weight", type=float,
+                   help="perp_neg's negative weight w_n (default: the model's; demo 0.3, SD folder 1)")
     p.add_argument("--seed", type=int)
     p.add_argument("--scheduler", default="", choices=("", "ddpm", "ddim", "dpmpp_2m", "euler"),
                    help="sampler (default: the model's)")
