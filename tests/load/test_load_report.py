@@ -120,3 +120,124 @@ def test_timeline_bins_served_shed_and_failed_per_second() -> None:
     assert series["served"][:2] == [2.0, 0.0]
     assert series["shed"][:2] == [0.0, 1.0] and series["failed"][:2] == [0.0, 1.0]
     assert series["p50"][0] == 10 and series["p95"][0] == 30 and math.isnan(series["p50"][1])
+
+
+def _exposition(series: dict[tuple[str, str, str], tuple[float, float, dict[str, float], float, float]]) -> str:
+    """Prometheus text as Ray writes it: for each (service, method, replica) the batch-size histogram (sum, count,
+    cumulative buckets "1.0" ... "+Inf") and the wait histogram's sum and count."""
+    lines = ["# HELP ray_genserve_batch_size Images per model call of a batching app.",
+             "# TYPE ray_genserve_batch_size histogram",
+             'ray_genserve_requests_total{Component="core_worker",method="Sample",service="gan"} 99.0']
+    for (service, method, replica), (total, count, buckets, wait_sum, wait_count) in series.items():
+        labels = (f'Component="core_worker",SessionName="session_x",application="{service}",method="{method}",'
+                  f'replica="{replica}",service="{service}"')
+        for le, n in buckets.items():
+            lines.append(f'ray_genserve_batch_size_bucket{{{labels},le="{le}"}} {n}')
+        lines.append(f"ray_genserve_batch_size_sum{{{labels}}} {total}")
+        lines.append(f"ray_genserve_batch_size_count{{{labels}}} {count}")
+        lines.append(f"ray_genserve_batch_wait_seconds_sum{{{labels}}} {wait_sum}")
+        lines.append(f"ray_genserve_batch_wait_seconds_count{{{labels}}} {wait_count}")
+    return "\n".join(lines) + "\n"
+
+
+def _buckets(**upto: float) -> dict[str, float]:
+    """Cumulative buckets: `upto` gives the count at "1.0", "2.0", "4.0", "8.0"; "+Inf" repeats the last."""
+    values = [upto.get(f"le{bound}", 0.0) for bound in (1, 2, 4, 8)]
+    return {"1.0": values[0], "2.0": values[1], "4.0": values[2], "8.0": values[3], "+Inf": values[3]}
+
+
+# Two scrapes 3 s apart. GAN replica r1: 3 calls of 4 images before, then one of 4 and one of 8 (3 requests,
+# 30 ms of waits); a second GAN replica r2 appears with one call of 4. Diffusion: 10 one-image steps before,
+# then 20 steps, 10 of one image and 10 of three. VAE r9 is there before and gone after (a replica stopped).
+SCRAPE_0 = {
+    ("gan", "generate", "r1"): (12.0, 3.0, _buckets(le4=3, le8=3), 0.03, 3.0),
+    ("diffusion", "Generate", "d1"): (10.0, 10.0, _buckets(le1=10, le2=10, le4=10, le8=10), 0.5, 10.0),
+    ("vae", "reconstruct", "r9"): (6.0, 3.0, _buckets(le2=3, le4=3, le8=3), 0.01, 3.0),
+}
+SCRAPE_1 = {
+    ("gan", "generate", "r1"): (24.0, 5.0, _buckets(le4=4, le8=5), 0.06, 6.0),
+    ("gan", "generate", "r2"): (4.0, 1.0, _buckets(le4=1, le8=1), 0.002, 1.0),
+    ("diffusion", "Generate", "d1"): (50.0, 30.0, _buckets(le1=20, le2=20, le4=30, le8=30), 0.9, 14.0),
+}
+
+
+def _two_scrapes():
+    return (report.parse_batch_metrics(_exposition(SCRAPE_0), T0)
+            + report.parse_batch_metrics(_exposition(SCRAPE_1), T0 + 3))
+
+
+def test_parse_batch_metrics_reads_one_sample_per_replica_service_and_method() -> None:
+    samples = report.parse_batch_metrics(_exposition(SCRAPE_1), T0 + 3)
+    assert [s.key for s in samples] == [("diffusion", "Generate", "d1"), ("gan", "generate", "r1"),
+                                        ("gan", "generate", "r2")]
+    gan = samples[1]
+    assert (gan.t, gan.sum, gan.count, gan.wait_sum, gan.wait_count) == (T0 + 3, 24.0, 5.0, 0.06, 6.0)
+    assert gan.buckets == {"1": 0.0, "2": 0.0, "4": 4.0, "8": 5.0, "+Inf": 5.0}
+    assert report.parse_batch_metrics("# nothing batched yet\nray_genserve_images_total{service=\"gan\"} 4\n", T0) == []
+
+
+def test_batch_samples_survive_their_json_lines(tmp_path: Path) -> None:
+    import dataclasses
+    import json
+
+    samples = _two_scrapes()
+    path = tmp_path / "batches.jsonl"
+    path.write_text("".join(json.dumps(dataclasses.asdict(s)) + "\n" for s in samples))
+    assert report.read_batches(path) == samples
+
+
+def test_batch_deltas_count_from_the_first_scrape_and_new_replicas_from_zero() -> None:
+    deltas = {(d.service, d.method): d for d in report.batch_deltas(_two_scrapes()) if d.calls}
+    assert len(report.batch_deltas(_two_scrapes())) == 3  # gan r1, gan r2, diffusion d1; the stopped vae adds nothing
+    stats = {row.service: row for row in report.batch_stats(_two_scrapes())}
+    gan, diffusion = stats["gan"], stats["diffusion"]
+    # GAN: r1 gained 2 calls / 12 images, the new r2 1 call / 4 images: 16 images in 3 calls.
+    assert (gan.calls, gan.images, gan.single) == (3.0, 16.0, 0.0)
+    assert gan.mean == pytest.approx(16 / 3) and gan.batched_share == 1.0
+    assert gan.waits == 4.0 and gan.mean_wait_ms == pytest.approx(8.0)  # (0.03 + 0.002) s over 4 requests
+    # Diffusion: 20 steps, 40 images, 10 of them single-image.
+    assert (diffusion.calls, diffusion.images, diffusion.single) == (20.0, 40.0, 10.0)
+    assert diffusion.mean == pytest.approx(2.0) and diffusion.batched_share == pytest.approx(0.5)
+    assert diffusion.mean_wait_ms == pytest.approx(100.0)  # 0.4 s over 4 requests
+    assert "vae" not in stats and deltas.keys() == {("gan", "generate"), ("diffusion", "Generate")}
+
+
+def test_batch_deltas_count_a_restarted_replica_from_zero() -> None:
+    before = report.parse_batch_metrics(_exposition({("gan", "generate", "r1"): SCRAPE_1[("gan", "generate", "r1")]}),
+                                        T0)
+    after = report.parse_batch_metrics(_exposition({("gan", "generate", "r1"): SCRAPE_0[("gan", "generate", "r1")]}),
+                                       T0 + 1)
+    (row,) = report.batch_stats(before + after)
+    assert (row.calls, row.images) == (3.0, 12.0)
+
+
+def test_batch_timeline_gives_images_per_call_per_bin() -> None:
+    samples = _two_scrapes()
+    samples += report.parse_batch_metrics(_exposition({
+        ("gan", "generate", "r1"): (32.0, 7.0, _buckets(le4=6, le8=7), 0.07, 8.0),
+        ("gan", "generate", "r2"): (4.0, 1.0, _buckets(le4=1, le8=1), 0.002, 1.0),
+        ("diffusion", "Generate", "d1"): (50.0, 30.0, _buckets(le1=20, le2=20, le4=30, le8=30), 0.9, 14.0),
+    }), T0 + 7)
+    series = report.batch_timeline(samples, T0, T0 + 9, bin_s=3.0)
+    assert series["t"] == [1.5, 4.5, 7.5]
+    # The scrape at 3 s closes the first bin; the one at 7 s the third (nothing closed in the second).
+    assert series["mean:gan"][0] == pytest.approx(16 / 3) and math.isnan(series["mean:gan"][1])
+    assert series["mean:gan"][2] == pytest.approx(4.0)  # two more calls of 4
+    assert series["calls:gan"] == pytest.approx([1.0, 0.0, 2 / 3])
+    assert series["mean:diffusion"][0] == pytest.approx(2.0) and math.isnan(series["mean:diffusion"][2])
+
+
+def test_render_batches_tabulates_each_service_and_points_at_its_plot() -> None:
+    run = _run("mixed", [_event(1, "ImageGan/Sample", 10)], _samples("gan", [1, 1]), batches=_two_scrapes())
+    lines = report.render_run(run, Path("img"))
+    assert "| gan | generate | 3 | 16 | 4 | 5.33 | 100% | 8.0 |" in lines
+    assert "| diffusion | Generate | 20 | 40 | 4 | 2.00 | 50% | 100.0 |" in lines
+    assert "![batching, scenario mixed](img/load_mixed_batch.png)" in lines
+    assert not any("batch" in line for line in report.render_run(_run("mixed", [], _samples("gan", [1])), Path("img")))
+
+
+def test_write_batch_plot_writes_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    run = _run("mixed", [], _samples("gan", [1, 1]), batches=_two_scrapes())
+    report.write_batch_plot(run, tmp_path / "img" / "load_mixed_batch.png")
+    assert (tmp_path / "img" / "load_mixed_batch.png").read_bytes()[:4] == b"\x89PNG"
