@@ -3,7 +3,9 @@
 Request events come from the locustfile's GENSERVE_LOAD_LOG: one per finished RPC (`name`), one per stream's
 first message (`name [first]`, the time to first token), and RESOURCE_EXHAUSTED answers under `name [shed]`.
 Batch samples are scrapes of the stack's Prometheus endpoint: the cumulative `ray_genserve_batch_size` and
-`ray_genserve_batch_wait_seconds` histograms of every replica (services/common/metrics.py).
+`ray_genserve_batch_wait_seconds` histograms and the `ray_genserve_batch_images_total` counter of every replica
+(services/common/metrics.py). Ray exports a histogram's `_sum` rebuilt from bucket midpoints (a call of 4 images
+adds 3), so images come from the counter; `_sum` stands in, marked approximate, only where the counter is missing.
 """
 
 from __future__ import annotations
@@ -44,10 +46,11 @@ class ReplicaSample:
 
 @dataclass(frozen=True)
 class BatchSample:
-    """One replica's cumulative batch histograms for one (service, method) at scrape time `t`: `sum`/`count` of
-    `ray_genserve_batch_size` (images, model calls), its cumulative `buckets` (upper bound as written by
-    `bucket_key` -> calls with at most that many images), and `wait_sum`/`wait_count` of
-    `ray_genserve_batch_wait_seconds` (seconds, requests)."""
+    """One replica's cumulative batch metrics for one (service, method) at scrape time `t`: `sum`/`count` of
+    `ray_genserve_batch_size` (images as Ray's bucket midpoints, model calls), its cumulative `buckets` (upper
+    bound as written by `bucket_key` -> calls with at most that many images), `wait_sum`/`wait_count` of
+    `ray_genserve_batch_wait_seconds` (seconds, again from midpoints, and requests), and `images`, the exact
+    `ray_genserve_batch_images_total` (None where the stack does not export it)."""
 
     t: float
     service: str
@@ -58,6 +61,7 @@ class BatchSample:
     buckets: dict[str, float]
     wait_sum: float = 0.0
     wait_count: float = 0.0
+    images: float | None = None
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -67,7 +71,8 @@ class BatchSample:
 @dataclass(frozen=True)
 class BatchDelta:
     """What one series gained between two scrapes (or since it appeared): model calls, images, calls with at most
-    one image, batch waits and their seconds; `t` is the later scrape."""
+    one image, batch waits and their seconds; `t` is the later scrape; `exact` unless the images are the
+    histogram's midpoint `_sum`."""
 
     t: float
     service: str
@@ -77,6 +82,7 @@ class BatchDelta:
     single: float
     wait_s: float
     waits: float
+    exact: bool = True
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,7 @@ class BatchStats:
     single: float
     wait_s: float
     waits: float
+    exact: bool = True
 
     @property
     def mean(self) -> float:
@@ -174,6 +181,7 @@ def read_events(path: Path) -> list[RequestEvent]:
 
 BATCH_SIZE = "ray_genserve_batch_size"
 BATCH_WAIT = "ray_genserve_batch_wait_seconds"
+BATCH_IMAGES = "ray_genserve_batch_images_total"
 _SERIES = re.compile(r"^(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)(?:\s+\S+)?$")
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
@@ -197,7 +205,7 @@ def parse_batch_metrics(text: str, t: float) -> list[BatchSample]:
     labels instead."""
     series: dict[tuple[str, str, str], dict] = {}
     for line in text.splitlines():
-        if not line.startswith(("ray_genserve_batch_size_", "ray_genserve_batch_wait_seconds_")):
+        if not line.startswith((BATCH_SIZE + "_", BATCH_WAIT + "_", BATCH_IMAGES)):
             continue
         match = _SERIES.match(line.strip())
         if match is None:
@@ -211,7 +219,7 @@ def parse_batch_metrics(text: str, t: float) -> list[BatchSample]:
             f"{k}={v}" for k, v in sorted(labels.items()) if k not in ("service", "method")
         )
         entry = series.setdefault((labels["service"], labels.get("method", ""), replica), {
-            "sum": 0.0, "count": 0.0, "buckets": {}, "wait_sum": 0.0, "wait_count": 0.0,
+            "sum": 0.0, "count": 0.0, "buckets": {}, "wait_sum": 0.0, "wait_count": 0.0, "images": None,
         })
         if name == BATCH_SIZE + "_sum":
             entry["sum"] = value
@@ -223,6 +231,8 @@ def parse_batch_metrics(text: str, t: float) -> list[BatchSample]:
             entry["wait_sum"] = value
         elif name == BATCH_WAIT + "_count":
             entry["wait_count"] = value
+        elif name == BATCH_IMAGES:
+            entry["images"] = value
     return [
         BatchSample(t, service, method, replica, **entry)
         for (service, method, replica), entry in sorted(series.items())
@@ -247,15 +257,17 @@ def batch_deltas(samples: list[BatchSample]) -> list[BatchDelta]:
         if before is None and sample.t == first_t:
             continue
         if before is None or sample.count < before.count or sample.wait_count < before.wait_count:
-            before = BatchSample(sample.t, sample.service, sample.method, sample.replica, 0.0, 0.0, {})
+            before = BatchSample(sample.t, sample.service, sample.method, sample.replica, 0.0, 0.0, {}, images=0.0)
         calls = sample.count - before.count
         waits = sample.wait_count - before.wait_count
         if not calls and not waits:
             continue
+        exact = sample.images is not None and before.images is not None
         deltas.append(BatchDelta(
-            t=sample.t, service=sample.service, method=sample.method, calls=calls, images=sample.sum - before.sum,
+            t=sample.t, service=sample.service, method=sample.method, calls=calls,
+            images=sample.images - before.images if exact else sample.sum - before.sum,
             single=sample.buckets.get("1", 0.0) - before.buckets.get("1", 0.0),
-            wait_s=sample.wait_sum - before.wait_sum, waits=waits,
+            wait_s=sample.wait_sum - before.wait_sum, waits=waits, exact=exact,
         ))
     return deltas
 
@@ -263,17 +275,20 @@ def batch_deltas(samples: list[BatchSample]) -> list[BatchDelta]:
 def batch_stats(samples: list[BatchSample], start: float | None = None, end: float | None = None) -> list[BatchStats]:
     """Per (service, method), what the scrapes with `start` < t <= `end` added: the table of docs/load.md."""
     totals: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0] * 5)
+    exact: dict[tuple[str, str], bool] = defaultdict(lambda: True)
     for delta in batch_deltas(samples):
         if (start is not None and delta.t <= start) or (end is not None and delta.t > end):
             continue
         row = totals[(delta.service, delta.method)]
         for i, value in enumerate((delta.calls, delta.images, delta.single, delta.wait_s, delta.waits)):
             row[i] += value
-    return [BatchStats(service, method, *values) for (service, method), values in sorted(totals.items())]
+        exact[(delta.service, delta.method)] &= delta.exact or not delta.calls
+    return [BatchStats(service, method, *values, exact=exact[(service, method)])
+            for (service, method), values in sorted(totals.items())]
 
 
 def batch_timeline(samples: list[BatchSample], started: float, end: float, bin_s: float = 3.0) -> dict[str, list]:
-    """Per time bin since `started`: `t` (the bin's middle), and per service `mean:<service>` (images / model calls
+    """Per time bin since `started`: `t` (the bin's middle), and per service `mean:<service>` (Δimages / Δmodel calls
     over all its methods, NaN without calls) and `calls:<service>` (model calls/s)."""
     n_bins = max(1, math.ceil((end - started) / bin_s))
     images: dict[str, list[float]] = defaultdict(lambda: [0.0] * n_bins)
@@ -468,7 +483,7 @@ def _colors() -> dict[str, str]:
 
 
 def write_batch_plot(run: LoadRun, path: Path, bin_s: float = 3.0) -> None:
-    """Two panels over time, per batching service: mean images per model call (Δsum / Δcount of
+    """Two panels over time, per batching service: mean images per model call (Δ`genserve_batch_images` / Δcount of
     `genserve_batch_size` per `bin_s` bin) and model calls/s."""
     import matplotlib
 
@@ -559,21 +574,23 @@ def render_run(run: LoadRun, image_dir: Path) -> list[str]:
 def render_batches(run: LoadRun, image_dir: Path) -> list[str]:
     """The batch-size table of one scenario and its plot."""
     lines = [
-        "Batching, from the `genserve_batch_size` and `genserve_batch_wait_seconds` histograms scraped every second: "
-        "how many images each model call carried (unbatched, a GAN Sample call of the locustfile carries 4, a VAE "
-        "Reconstruct 2, a diffusion U-Net step 1), the share of calls with more than one image, and a request's mean "
-        "wait from arrival to the start of its batch (diffusion: to its first step).",
+        "Batching, from the batch metrics scraped every second: how many images each model call carried "
+        "(`genserve_batch_images` over the count of `genserve_batch_size`; unbatched, a GAN Sample call of the "
+        "locustfile carries 4, a VAE Reconstruct 2, a diffusion U-Net step 1), the share of calls with more than "
+        "one image (its `le=\"1\"` bucket), and a request's wait from arrival to the start of its batch "
+        "(diffusion: to its first step), a mean of bucket midpoints since Ray exports histogram sums that way.",
         "",
         "| service | method | model calls | images | requests | images per call | calls with > 1 image "
-        "| mean wait (ms) |",
+        "| mean wait (ms, ≈) |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     rows = batch_stats(run.batches)
     for row in rows:
-        mean = "-" if math.isnan(row.mean) else f"{row.mean:.2f}"
+        approx = "" if row.exact else " ≈"  # the histogram's midpoint sum stood in for the images counter
+        mean = "-" if math.isnan(row.mean) else f"{row.mean:.2f}{approx}"
         share = "-" if math.isnan(row.batched_share) else f"{100 * row.batched_share:.0f}%"
         wait = "-" if math.isnan(row.mean_wait_ms) else f"{row.mean_wait_ms:.1f}"
-        lines.append(f"| {row.service} | {row.method} | {row.calls:.0f} | {row.images:.0f} | {row.waits:.0f} "
+        lines.append(f"| {row.service} | {row.method} | {row.calls:.0f} | {row.images:.0f}{approx} | {row.waits:.0f} "
                      f"| {mean} | {share} | {wait} |")
     if not rows:
         lines.append("| (no model call recorded) | | | | | | | |")
