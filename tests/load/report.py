@@ -22,6 +22,9 @@ SHED_SUFFIX = " [shed]"
 SHED_CODE = "RESOURCE_EXHAUSTED"
 # gRPC service (the first part of an RPC name) -> Ray Serve application.
 APPLICATIONS = {"TextGeneration": "text", "ImageGan": "gan", "Vae": "vae", "Diffusion": "diffusion"}
+# Images per model call when nothing is batched: one request of the locustfile (GAN Sample of 4, VAE Reconstruct of
+# 2, diffusion of 1 per U-Net step).
+UNBATCHED_IMAGES = {"gan": 4, "vae": 2, "diffusion": 1}
 
 
 @dataclass(frozen=True)
@@ -484,7 +487,7 @@ def _colors() -> dict[str, str]:
 
 def write_batch_plot(run: LoadRun, path: Path, bin_s: float = 3.0) -> None:
     """Two panels over time, per batching service: mean images per model call (Δ`genserve_batch_images` / Δcount of
-    `genserve_batch_size` per `bin_s` bin) and model calls/s."""
+    `genserve_batch_size` per `bin_s` bin; dotted: one request's images, nothing batched) and model calls/s."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -497,6 +500,8 @@ def write_batch_plot(run: LoadRun, path: Path, bin_s: float = 3.0) -> None:
     for service in sorted(APPLICATIONS.values()):
         if f"mean:{service}" in series:
             ax_mean.plot(series["t"], series[f"mean:{service}"], marker=".", color=colors[service], label=service)
+            if service in UNBATCHED_IMAGES:
+                ax_mean.axhline(UNBATCHED_IMAGES[service], color=colors[service], linestyle=":", linewidth=1)
             ax_calls.plot(series["t"], series[f"calls:{service}"], color=colors[service], label=service)
     ax_mean.set_ylabel("images per model call")
     ax_mean.set_ylim(bottom=0)
@@ -506,7 +511,8 @@ def write_batch_plot(run: LoadRun, path: Path, bin_s: float = 3.0) -> None:
         ax.axvspan(0, run.duration_s, color="0.92", zorder=0)
         ax.legend(loc="upper right", fontsize=8)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"genserve batching, scenario {run.scenario} (mean per {bin_s:g} s; shaded: load on)")
+    fig.suptitle(f"genserve batching, scenario {run.scenario} (mean per {bin_s:g} s; dotted: unbatched; "
+                 "shaded: load on)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
