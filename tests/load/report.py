@@ -23,8 +23,8 @@ SHED_CODE = "RESOURCE_EXHAUSTED"
 # gRPC service (the first part of an RPC name) -> Ray Serve application.
 APPLICATIONS = {"TextGeneration": "text", "ImageGan": "gan", "Vae": "vae", "Diffusion": "diffusion"}
 # Images per model call when nothing is batched: one request of the locustfile (GAN Sample of 4, VAE Reconstruct of
-# 2, diffusion of 1 per U-Net step).
-UNBATCHED_IMAGES = {"gan": 4, "vae": 2, "diffusion": 1}
+# 2; diffusion of 1 per U-Net step, whose latents the VAE decodes one request at a time).
+UNBATCHED_IMAGES = {"gan generate": 4, "vae reconstruct": 2, "vae decode": 1, "diffusion Generate": 1}
 
 
 @dataclass(frozen=True)
@@ -291,21 +291,20 @@ def batch_stats(samples: list[BatchSample], start: float | None = None, end: flo
 
 
 def batch_timeline(samples: list[BatchSample], started: float, end: float, bin_s: float = 3.0) -> dict[str, list]:
-    """Per time bin since `started`: `t` (the bin's middle), and per service `mean:<service>` (Δimages / Δmodel calls
-    over all its methods, NaN without calls) and `calls:<service>` (model calls/s)."""
+    """Per time bin since `started`: `t` (the bin's middle), and per "<service> <method>" `mean:<service> <method>`
+    (Δimages / Δmodel calls, NaN without calls) and `calls:<service> <method>` (model calls/s)."""
     n_bins = max(1, math.ceil((end - started) / bin_s))
     images: dict[str, list[float]] = defaultdict(lambda: [0.0] * n_bins)
     calls: dict[str, list[float]] = defaultdict(lambda: [0.0] * n_bins)
     for delta in batch_deltas(samples):
         index = math.ceil((delta.t - started) / bin_s) - 1  # a scrape closes the interval it ends
         if 0 <= index < n_bins and delta.calls:
-            images[delta.service][index] += delta.images
-            calls[delta.service][index] += delta.calls
+            images[f"{delta.service} {delta.method}"][index] += delta.images
+            calls[f"{delta.service} {delta.method}"][index] += delta.calls
     series: dict[str, list] = {"t": [(i + 0.5) * bin_s for i in range(n_bins)]}
-    for service in sorted(calls):
-        series[f"mean:{service}"] = [i / c if c else math.nan for i, c in zip(images[service], calls[service],
-                                                                             strict=True)]
-        series[f"calls:{service}"] = [c / bin_s for c in calls[service]]
+    for name in sorted(calls):
+        series[f"mean:{name}"] = [i / c if c else math.nan for i, c in zip(images[name], calls[name], strict=True)]
+        series[f"calls:{name}"] = [c / bin_s for c in calls[name]]
     return series
 
 
@@ -486,8 +485,9 @@ def _colors() -> dict[str, str]:
 
 
 def write_batch_plot(run: LoadRun, path: Path, bin_s: float = 3.0) -> None:
-    """Two panels over time, per batching service: mean images per model call (Δ`genserve_batch_images` / Δcount of
-    `genserve_batch_size` per `bin_s` bin; dotted: one request's images, nothing batched) and model calls/s."""
+    """Two panels over time, per batching service and method: mean images per model call
+    (Δ`genserve_batch_images` / Δcount of `genserve_batch_size` per `bin_s` bin; dotted: one request's images,
+    nothing batched) and model calls/s."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -497,12 +497,15 @@ def write_batch_plot(run: LoadRun, path: Path, bin_s: float = 3.0) -> None:
     series = batch_timeline(run.batches, run.started, end, bin_s)
     colors = _colors()
     fig, (ax_mean, ax_calls) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True)
-    for service in sorted(APPLICATIONS.values()):
-        if f"mean:{service}" in series:
-            ax_mean.plot(series["t"], series[f"mean:{service}"], marker=".", color=colors[service], label=service)
-            if service in UNBATCHED_IMAGES:
-                ax_mean.axhline(UNBATCHED_IMAGES[service], color=colors[service], linestyle=":", linewidth=1)
-            ax_calls.plot(series["t"], series[f"calls:{service}"], color=colors[service], label=service)
+    names = sorted(key.removeprefix("mean:") for key in series if key.startswith("mean:"))
+    for name in names:
+        service = name.split(" ", 1)[0]
+        color = colors.get(service)
+        style = "--" if sum(n.startswith(service + " ") for n in names[:names.index(name)]) else "-"
+        ax_mean.plot(series["t"], series[f"mean:{name}"], marker=".", color=color, linestyle=style, label=name)
+        if name in UNBATCHED_IMAGES:
+            ax_mean.axhline(UNBATCHED_IMAGES[name], color=color, linestyle=":", linewidth=1)
+        ax_calls.plot(series["t"], series[f"calls:{name}"], color=color, linestyle=style, label=name)
     ax_mean.set_ylabel("images per model call")
     ax_mean.set_ylim(bottom=0)
     ax_calls.set_ylabel("model calls/s")

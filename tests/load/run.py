@@ -271,6 +271,9 @@ def run_scenario(scenario: Scenario, address: str, out: Path, logs: list[Path], 
         batches.stop()
         with (out / "batches.jsonl").open("w") as samples:
             samples.writelines(json.dumps(dataclasses.asdict(sample)) + "\n" for sample in batches.samples)
+    # When the load ran, so the plots can be drawn again from the raw data.
+    (out / "run.json").write_text(json.dumps({"started": started, "load_end": load_end,
+                                              "cooldown_s": scenario.cooldown_s}))
     return LoadRun(
         scenario=scenario.name,
         command=" ".join(shlex.quote(c) for c in command),

@@ -236,10 +236,11 @@ def test_batch_timeline_gives_images_per_call_per_bin() -> None:
     series = report.batch_timeline(samples, T0, T0 + 9, bin_s=3.0)
     assert series["t"] == [1.5, 4.5, 7.5]
     # The scrape at 3 s closes the first bin; the one at 7 s the third (nothing closed in the second).
-    assert series["mean:gan"][0] == pytest.approx(16 / 3) and math.isnan(series["mean:gan"][1])
-    assert series["mean:gan"][2] == pytest.approx(4.0)  # two more calls of 4
-    assert series["calls:gan"] == pytest.approx([1.0, 0.0, 2 / 3])
-    assert series["mean:diffusion"][0] == pytest.approx(2.0) and math.isnan(series["mean:diffusion"][2])
+    assert series["mean:gan generate"][0] == pytest.approx(16 / 3) and math.isnan(series["mean:gan generate"][1])
+    assert series["mean:gan generate"][2] == pytest.approx(4.0)  # two more calls of 4
+    assert series["calls:gan generate"] == pytest.approx([1.0, 0.0, 2 / 3])
+    diffusion = series["mean:diffusion Generate"]
+    assert diffusion[0] == pytest.approx(2.0) and math.isnan(diffusion[2])
 
 
 def test_render_batches_tabulates_each_service_and_points_at_its_plot() -> None:
