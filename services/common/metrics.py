@@ -17,6 +17,8 @@ record their own model metrics through `ServiceMetrics`.
 - genserve_images (counter; service, method): images produced (images/s via rate())
 - genserve_batch_size (histogram; service, method): images per model call of a batching app (gan, vae; diffusion:
   per U-Net call of its step loop, services/diffusion/step_batcher.py)
+- genserve_batch_images (counter; service, method): the images of those model calls, exactly: Ray exports a
+  histogram's `_sum` rebuilt from bucket midpoints, so mean images per call is this over genserve_batch_size's count
 - genserve_batch_wait_seconds (histogram; service, method): a request's time from arrival to the start of its batch
 - genserve_cpu_kernels_available (gauge; service): 1 when the C kernels are in use, 0 when the replica fell back to
   torch ops (the replica's log says why)
@@ -49,6 +51,7 @@ class _Registry:
     step_seconds: metrics.Histogram
     images: metrics.Counter
     batch_size: metrics.Histogram
+    batch_images: metrics.Counter
     batch_wait: metrics.Histogram
     cpu_kernels: metrics.Gauge
 
@@ -99,6 +102,10 @@ def _registry() -> _Registry:
         batch_size=metrics.Histogram(
             "genserve_batch_size", description="Images per model call of a batching app.",
             boundaries=BATCH_SIZE_BOUNDARIES, tag_keys=("service", "method"),
+        ),
+        batch_images=metrics.Counter(
+            "genserve_batch_images", description="Images through the model calls of a batching app.",
+            tag_keys=("service", "method"),
         ),
         batch_wait=metrics.Histogram(
             "genserve_batch_wait_seconds", description="Time from a request's arrival to the start of its batch.",
@@ -170,5 +177,7 @@ class ServiceMetrics:
         """One model call of `images` images, made for requests that each waited `waits[i]` seconds for it."""
         reg, tags = _registry(), {"service": self.service, "method": method}
         reg.batch_size.observe(images, tags=tags)
+        if images:
+            reg.batch_images.inc(images, tags=tags)
         for seconds in waits:
             reg.batch_wait.observe(seconds, tags=tags)

@@ -1,13 +1,18 @@
-"""Turns a load run (request events + replica samples) into tables, verdicts, a plot and docs/load.md.
+"""Turns a load run (request events + replica samples + batch metrics) into tables, verdicts, plots and docs/load.md.
 
 Request events come from the locustfile's GENSERVE_LOAD_LOG: one per finished RPC (`name`), one per stream's
 first message (`name [first]`, the time to first token), and RESOURCE_EXHAUSTED answers under `name [shed]`.
+Batch samples are scrapes of the stack's Prometheus endpoint: the cumulative `ray_genserve_batch_size` and
+`ray_genserve_batch_wait_seconds` histograms and the `ray_genserve_batch_images_total` counter of every replica
+(services/common/metrics.py). Ray exports a histogram's `_sum` rebuilt from bucket midpoints (a call of 4 images
+adds 3), so images come from the counter; `_sum` stands in, marked approximate, only where the counter is missing.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +22,9 @@ SHED_SUFFIX = " [shed]"
 SHED_CODE = "RESOURCE_EXHAUSTED"
 # gRPC service (the first part of an RPC name) -> Ray Serve application.
 APPLICATIONS = {"TextGeneration": "text", "ImageGan": "gan", "Vae": "vae", "Diffusion": "diffusion"}
+# Images per model call when nothing is batched: one request of the locustfile (GAN Sample of 4, VAE Reconstruct of
+# 2; diffusion of 1 per U-Net step, whose latents the VAE decodes one request at a time).
+UNBATCHED_IMAGES = {"gan generate": 4, "vae reconstruct": 2, "vae decode": 1, "diffusion Generate": 1}
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,72 @@ class ReplicaSample:
     @property
     def running(self) -> int:
         return self.replicas.get("RUNNING", 0)
+
+
+@dataclass(frozen=True)
+class BatchSample:
+    """One replica's cumulative batch metrics for one (service, method) at scrape time `t`: `sum`/`count` of
+    `ray_genserve_batch_size` (images as Ray's bucket midpoints, model calls), its cumulative `buckets` (upper
+    bound as written by `bucket_key` -> calls with at most that many images), `wait_sum`/`wait_count` of
+    `ray_genserve_batch_wait_seconds` (seconds, again from midpoints, and requests), and `images`, the exact
+    `ray_genserve_batch_images_total` (None where the stack does not export it)."""
+
+    t: float
+    service: str
+    method: str
+    replica: str
+    sum: float
+    count: float
+    buckets: dict[str, float]
+    wait_sum: float = 0.0
+    wait_count: float = 0.0
+    images: float | None = None
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return self.service, self.method, self.replica
+
+
+@dataclass(frozen=True)
+class BatchDelta:
+    """What one series gained between two scrapes (or since it appeared): model calls, images, calls with at most
+    one image, batch waits and their seconds; `t` is the later scrape; `exact` unless the images are the
+    histogram's midpoint `_sum`."""
+
+    t: float
+    service: str
+    method: str
+    calls: float
+    images: float
+    single: float
+    wait_s: float
+    waits: float
+    exact: bool = True
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    service: str
+    method: str
+    calls: float
+    images: float
+    single: float
+    wait_s: float
+    waits: float
+    exact: bool = True
+
+    @property
+    def mean(self) -> float:
+        return self.images / self.calls if self.calls else math.nan
+
+    @property
+    def batched_share(self) -> float:
+        """Share of model calls that carried more than one image."""
+        return 1 - self.single / self.calls if self.calls else math.nan
+
+    @property
+    def mean_wait_ms(self) -> float:
+        return 1000 * self.wait_s / self.waits if self.waits else math.nan
 
 
 @dataclass(frozen=True)
@@ -82,6 +156,7 @@ class LoadRun:
     locust_returncode: int = 0
     replica_failures: list[str] = field(default_factory=list)
     controller_logs_watched: int = 0
+    batches: list[BatchSample] = field(default_factory=list)
 
     @property
     def duration_s(self) -> float:
@@ -105,6 +180,132 @@ def read_events(path: Path) -> list[RequestEvent]:
     if not path.exists():
         return []
     return [RequestEvent(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+BATCH_SIZE = "ray_genserve_batch_size"
+BATCH_WAIT = "ray_genserve_batch_wait_seconds"
+BATCH_IMAGES = "ray_genserve_batch_images_total"
+_SERIES = re.compile(r"^(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)(?:\s+\S+)?$")
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def read_batches(path: Path) -> list[BatchSample]:
+    if not path.exists():
+        return []
+    return [BatchSample(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+def bucket_key(le: str) -> str:
+    """A bucket's upper bound, the same however the exporter writes it: "1.0" and "1" -> "1", "+Inf" -> "+Inf"."""
+    bound = float(le)
+    return "+Inf" if math.isinf(bound) else f"{bound:g}"
+
+
+def parse_batch_metrics(text: str, t: float) -> list[BatchSample]:
+    """The batch histograms in a Prometheus text exposition, one BatchSample per (service, method, replica).
+
+    Series without a `service` label are skipped; a series without a `replica` label is told apart by its other
+    labels instead."""
+    series: dict[tuple[str, str, str], dict] = {}
+    for line in text.splitlines():
+        if not line.startswith((BATCH_SIZE + "_", BATCH_WAIT + "_", BATCH_IMAGES)):
+            continue
+        match = _SERIES.match(line.strip())
+        if match is None:
+            continue
+        name, value = match["name"], float(match["value"])
+        labels = dict(_LABEL.findall(match["labels"] or ""))
+        if "service" not in labels:
+            continue
+        le = labels.pop("le", None)
+        replica = labels.get("replica") or ",".join(
+            f"{k}={v}" for k, v in sorted(labels.items()) if k not in ("service", "method")
+        )
+        entry = series.setdefault((labels["service"], labels.get("method", ""), replica), {
+            "sum": 0.0, "count": 0.0, "buckets": {}, "wait_sum": 0.0, "wait_count": 0.0, "images": None,
+        })
+        if name == BATCH_SIZE + "_sum":
+            entry["sum"] = value
+        elif name == BATCH_SIZE + "_count":
+            entry["count"] = value
+        elif name == BATCH_SIZE + "_bucket" and le is not None:
+            entry["buckets"][bucket_key(le)] = value
+        elif name == BATCH_WAIT + "_sum":
+            entry["wait_sum"] = value
+        elif name == BATCH_WAIT + "_count":
+            entry["wait_count"] = value
+        elif name == BATCH_IMAGES:
+            entry["images"] = value
+    return [
+        BatchSample(t, service, method, replica, **entry)
+        for (service, method, replica), entry in sorted(series.items())
+        if entry["count"] or entry["wait_count"] or entry["buckets"]
+    ]
+
+
+def batch_deltas(samples: list[BatchSample]) -> list[BatchDelta]:
+    """Per series (one replica's service and method), what it gained from each scrape to the next.
+
+    The first scrape is the baseline (what warm-up and earlier scenarios left); a series that first appears later
+    belongs to a replica started since, so all of it counts; a value that went down is a restarted replica's
+    counters, counted from zero; a series that disappears (a replica stopped) adds nothing more."""
+    if not samples:
+        return []
+    first_t = min(s.t for s in samples)
+    last: dict[tuple[str, str, str], BatchSample] = {}
+    deltas = []
+    for sample in sorted(samples, key=lambda s: s.t):
+        before = last.get(sample.key)
+        last[sample.key] = sample
+        if before is None and sample.t == first_t:
+            continue
+        if before is None or sample.count < before.count or sample.wait_count < before.wait_count:
+            before = BatchSample(sample.t, sample.service, sample.method, sample.replica, 0.0, 0.0, {}, images=0.0)
+        calls = sample.count - before.count
+        waits = sample.wait_count - before.wait_count
+        if not calls and not waits:
+            continue
+        exact = sample.images is not None and before.images is not None
+        deltas.append(BatchDelta(
+            t=sample.t, service=sample.service, method=sample.method, calls=calls,
+            images=sample.images - before.images if exact else sample.sum - before.sum,
+            single=sample.buckets.get("1", 0.0) - before.buckets.get("1", 0.0),
+            wait_s=sample.wait_sum - before.wait_sum, waits=waits, exact=exact,
+        ))
+    return deltas
+
+
+def batch_stats(samples: list[BatchSample], start: float | None = None, end: float | None = None) -> list[BatchStats]:
+    """Per (service, method), what the scrapes with `start` < t <= `end` added: the table of docs/load.md."""
+    totals: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0] * 5)
+    exact: dict[tuple[str, str], bool] = defaultdict(lambda: True)
+    for delta in batch_deltas(samples):
+        if (start is not None and delta.t <= start) or (end is not None and delta.t > end):
+            continue
+        row = totals[(delta.service, delta.method)]
+        for i, value in enumerate((delta.calls, delta.images, delta.single, delta.wait_s, delta.waits)):
+            row[i] += value
+        exact[(delta.service, delta.method)] &= delta.exact or not delta.calls
+    return [BatchStats(service, method, *values, exact=exact[(service, method)])
+            for (service, method), values in sorted(totals.items())]
+
+
+def batch_timeline(samples: list[BatchSample], started: float, end: float, bin_s: float = 3.0) -> dict[str, list]:
+    """Per time bin since `started`: `t` (the bin's middle), and per "<service> <method>" `mean:<service> <method>`
+    (Δimages / Δmodel calls, NaN without calls) and `calls:<service> <method>` (model calls/s)."""
+    n_bins = max(1, math.ceil((end - started) / bin_s))
+    images: dict[str, list[float]] = defaultdict(lambda: [0.0] * n_bins)
+    calls: dict[str, list[float]] = defaultdict(lambda: [0.0] * n_bins)
+    for delta in batch_deltas(samples):
+        index = math.ceil((delta.t - started) / bin_s) - 1  # a scrape closes the interval it ends
+        if 0 <= index < n_bins and delta.calls:
+            images[f"{delta.service} {delta.method}"][index] += delta.images
+            calls[f"{delta.service} {delta.method}"][index] += delta.calls
+    series: dict[str, list] = {"t": [(i + 0.5) * bin_s for i in range(n_bins)]}
+    for name in sorted(calls):
+        series[f"mean:{name}"] = [i / c if c else math.nan for i, c in zip(images[name], calls[name], strict=True)]
+        series[f"calls:{name}"] = [c / bin_s for c in calls[name]]
+    return series
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -254,7 +455,7 @@ def write_plot(run: LoadRun, path: Path) -> None:
     ax_rps.plot(series["t"], series["shed"], label="RESOURCE_EXHAUSTED/s")
     ax_rps.plot(series["t"], series["failed"], label="other failures/s")
     ax_rps.set_ylabel("requests/s")
-    colors = dict(zip(sorted(APPLICATIONS.values()), ("tab:purple", "tab:orange", "tab:green", "tab:red"), strict=True))
+    colors = _colors()
     ax_lat.plot(series["t"], series["p95"], color="black", linestyle=":", label="p95, all RPCs")
     for app in sorted(APPLICATIONS.values()):
         if f"p50:{app}" in series:
@@ -273,6 +474,48 @@ def write_plot(run: LoadRun, path: Path) -> None:
         ax.legend(loc="upper right", fontsize=8)
         ax.grid(alpha=0.3)
     fig.suptitle(f"genserve load, scenario {run.scenario} ({run.users} users; shaded: load on)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _colors() -> dict[str, str]:
+    return dict(zip(sorted(APPLICATIONS.values()), ("tab:purple", "tab:orange", "tab:green", "tab:red"), strict=True))
+
+
+def write_batch_plot(run: LoadRun, path: Path, bin_s: float = 3.0) -> None:
+    """Two panels over time, per batching service and method: mean images per model call
+    (Δ`genserve_batch_images` / Δcount of `genserve_batch_size` per `bin_s` bin; dotted: one request's images,
+    nothing batched) and model calls/s."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    end = max([run.load_end] + [s.t for s in run.batches])
+    series = batch_timeline(run.batches, run.started, end, bin_s)
+    colors = _colors()
+    fig, (ax_mean, ax_calls) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True)
+    names = sorted(key.removeprefix("mean:") for key in series if key.startswith("mean:"))
+    for name in names:
+        service = name.split(" ", 1)[0]
+        color = colors.get(service)
+        style = "--" if sum(n.startswith(service + " ") for n in names[:names.index(name)]) else "-"
+        ax_mean.plot(series["t"], series[f"mean:{name}"], marker=".", color=color, linestyle=style, label=name)
+        if name in UNBATCHED_IMAGES:
+            ax_mean.axhline(UNBATCHED_IMAGES[name], color=color, linestyle=":", linewidth=1)
+        ax_calls.plot(series["t"], series[f"calls:{name}"], color=color, linestyle=style, label=name)
+    ax_mean.set_ylabel("images per model call")
+    ax_mean.set_ylim(bottom=0)
+    ax_calls.set_ylabel("model calls/s")
+    ax_calls.set_xlabel("seconds since the load started")
+    for ax in (ax_mean, ax_calls):
+        ax.axvspan(0, run.duration_s, color="0.92", zorder=0)
+        ax.legend(loc="upper right", fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"genserve batching, scenario {run.scenario} (mean per {bin_s:g} s; dotted: unbatched; "
+                 "shaded: load on)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -332,6 +575,35 @@ def render_run(run: LoadRun, image_dir: Path) -> list[str]:
         down = "-" if row.down_at_s is None else f"{row.down_at_s:.0f}"
         lines.append(f"| {row.app} | {row.before} | {row.peak} | {row.after} | {up} | {down} |")
     lines += ["", f"![scenario {run.scenario}]({image_dir / f'load_{run.scenario}.png'})", ""]
+    if run.batches:
+        lines += render_batches(run, image_dir)
+    return lines
+
+
+def render_batches(run: LoadRun, image_dir: Path) -> list[str]:
+    """The batch-size table of one scenario and its plot."""
+    lines = [
+        "Batching, from the batch metrics scraped every second: how many images each model call carried "
+        "(`genserve_batch_images` over the count of `genserve_batch_size`; unbatched, a GAN Sample call of the "
+        "locustfile carries 4, a VAE Reconstruct 2, a diffusion U-Net step 1), the share of calls with more than "
+        "one image (its `le=\"1\"` bucket), and a request's wait from arrival to the start of its batch "
+        "(diffusion: to its first step), a mean of bucket midpoints since Ray exports histogram sums that way.",
+        "",
+        "| service | method | model calls | images | requests | images per call | calls with > 1 image "
+        "| mean wait (ms, ≈) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    rows = batch_stats(run.batches)
+    for row in rows:
+        approx = "" if row.exact else " ≈"  # the histogram's midpoint sum stood in for the images counter
+        mean = "-" if math.isnan(row.mean) else f"{row.mean:.2f}{approx}"
+        share = "-" if math.isnan(row.batched_share) else f"{100 * row.batched_share:.0f}%"
+        wait = "-" if math.isnan(row.mean_wait_ms) else f"{row.mean_wait_ms:.1f}"
+        lines.append(f"| {row.service} | {row.method} | {row.calls:.0f} | {row.images:.0f}{approx} | {row.waits:.0f} "
+                     f"| {mean} | {share} | {wait} |")
+    if not rows:
+        lines.append("| (no model call recorded) | | | | | | | |")
+    lines += ["", f"![batching, scenario {run.scenario}]({image_dir / f'load_{run.scenario}_batch.png'})", ""]
     return lines
 
 
@@ -342,9 +614,10 @@ def render_markdown(runs: list[LoadRun], invocation: str, image_dir: Path, model
         "",
         f"Written by `{invocation}` (tests/load/run.py; the users are in tests/load/locustfile.py). It starts the",
         "local CPU stack (`python -m services.serve`, deploy/serve_config.local.yaml) on port 9200 unless given",
-        "`--target`, runs each scenario headless under `timeout -k`, samples every app's replicas, and writes this",
-        "page and its plots. Machine: the 2-core, 24 GiB CPU box the project is developed on, shared with other work,",
-        "so absolute numbers are low; what matters is the shape: no failures, scaling up and down, fast shedding.",
+        "`--target`, runs each scenario headless under `timeout -k`, samples every app's replicas and the batch-size",
+        "metrics, and writes this page and its plots. Machine: the 2-core, 24 GiB CPU box the project is developed on,",
+        "shared with other work, so absolute numbers are low; what matters is the shape: no failures, scaling up and",
+        "down, fast shedding.",
         "",
         "A shed request never reaches a replica: the proxy answers RESOURCE_EXHAUSTED as soon as the deployment's",
         "queue (`max_queued_requests`) is full. Under overload the proxy, the replicas and locust itself share the two",

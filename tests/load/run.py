@@ -9,7 +9,8 @@ Two scenarios run one after the other on the same stack:
   and at least one application scales up under load and back down in the cool-down after it;
 - `overload`: far more users than the queues admit; done when the excess is answered RESOURCE_EXHAUSTED fast,
   nothing times out or fails otherwise, and no replica dies.
-Raw data (one JSON line per request event and per replica sample) stays in runs/load/<scenario>/.
+Raw data (one JSON line per request event, per replica sample and per scraped batch-metrics series) stays in
+runs/load/<scenario>/.
 """
 
 from __future__ import annotations
@@ -25,11 +26,21 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from services.client import Client
-from tests.load.report import LoadRun, ReplicaSample, read_events, render_markdown, write_plot
+from tests.load.report import (
+    BatchSample,
+    LoadRun,
+    ReplicaSample,
+    parse_batch_metrics,
+    read_events,
+    render_markdown,
+    write_batch_plot,
+    write_plot,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -105,6 +116,35 @@ class ReplicaSampler(threading.Thread):
         self.join(timeout=10)
 
 
+class BatchSampler(threading.Thread):
+    """Scrapes the stack's Prometheus endpoint once per `period_s` for the cumulative batch histograms of every
+    replica (`ray_genserve_batch_size`, `ray_genserve_batch_wait_seconds`)."""
+
+    def __init__(self, url: str, period_s: float = 1.0):
+        super().__init__(daemon=True)
+        self.url = url
+        self.period_s = period_s
+        self.samples: list[BatchSample] = []
+        self.errors = 0
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            started = time.time()
+            try:
+                with urllib.request.urlopen(self.url, timeout=5) as response:
+                    text = response.read().decode(errors="replace")
+            except Exception:  # a scrape lost under load merges two intervals, it does not fail the run
+                self.errors += 1
+            else:
+                self.samples += parse_batch_metrics(text, started)
+            self._halt.wait(max(0.0, self.period_s - (time.time() - started)))
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=10)
+
+
 class LocalStack:
     """`python -m services.serve` on `ports` (default STACK_PORTS), in its own process group so it can be stopped
     whole."""
@@ -120,6 +160,10 @@ class LocalStack:
     def address(self) -> str:
         return f"127.0.0.1:{self.ports['grpc']}"
 
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['metrics']}/metrics"
+
     def command(self) -> list[str]:
         ports = [f"--{name}-port={port}" for name, port in self.ports.items()]
         return [sys.executable, "-m", "services.serve", *ports, f"--timeout={self.timeout_s:.0f}"]
@@ -127,8 +171,10 @@ class LocalStack:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("w")
-        env = os.environ | {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
-                            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+        # Metrics exported every second (Ray's default is 10 s), so the batch sampler sees them move per second.
+        env = {"RAY_metrics_report_interval_ms": "1000"} | os.environ | {
+            "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        }
         self.process = subprocess.Popen(
             self.command(), cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
@@ -199,13 +245,17 @@ class ControllerLogWatch:
         return lines
 
 
-def run_scenario(scenario: Scenario, address: str, out: Path, logs: list[Path]) -> LoadRun:
+def run_scenario(scenario: Scenario, address: str, out: Path, logs: list[Path], metrics_url: str | None = None
+                 ) -> LoadRun:
     out.mkdir(parents=True, exist_ok=True)
     watch = ControllerLogWatch(logs)
     events_path = out / "requests.jsonl"
     events_path.unlink(missing_ok=True)
     sampler = ReplicaSampler(address)
     sampler.start()
+    batches = BatchSampler(metrics_url) if metrics_url else None
+    if batches is not None:
+        batches.start()
     time.sleep(3)  # a few samples of the idle replica counts before the load
     command = locust_command(scenario, address)
     env = os.environ | scenario.env() | {"GENSERVE_LOAD_LOG": str(events_path)}
@@ -217,6 +267,13 @@ def run_scenario(scenario: Scenario, address: str, out: Path, logs: list[Path]) 
     sampler.stop()
     with (out / "replicas.jsonl").open("w") as samples:
         samples.writelines(json.dumps(dataclasses.asdict(sample)) + "\n" for sample in sampler.samples)
+    if batches is not None:
+        batches.stop()
+        with (out / "batches.jsonl").open("w") as samples:
+            samples.writelines(json.dumps(dataclasses.asdict(sample)) + "\n" for sample in batches.samples)
+    # When the load ran, so the plots can be drawn again from the raw data.
+    (out / "run.json").write_text(json.dumps({"started": started, "load_end": load_end,
+                                              "cooldown_s": scenario.cooldown_s}))
     return LoadRun(
         scenario=scenario.name,
         command=" ".join(shlex.quote(c) for c in command),
@@ -231,6 +288,7 @@ def run_scenario(scenario: Scenario, address: str, out: Path, logs: list[Path]) 
         locust_returncode=returncode,
         replica_failures=watch.trouble(),
         controller_logs_watched=len(logs),
+        batches=batches.samples if batches is not None else [],
     )
 
 
@@ -242,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", type=Path, default=DOCS, help="the markdown page; plots go to its img/")
     parser.add_argument("--run-time", type=int, help="override every scenario's load duration (s)")
     parser.add_argument("--cooldown", type=int, help="override every scenario's cool-down (s)")
+    parser.add_argument("--metrics-url", help="the Prometheus endpoint of a --target stack, for the batch sizes "
+                        "(default: the started stack's; none with --target)")
     args = parser.parse_args(argv)
     scenarios = [SCENARIOS[name] for name in args.scenarios]
     if args.run_time:
@@ -256,16 +316,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"load: starting the stack: {' '.join(stack.command())}", flush=True)
             stack.start()
         address = args.target or stack.address
+        metrics_url = args.metrics_url or (stack.metrics_url if stack is not None else None)
         warm_up(address)
         for scenario in scenarios:
             print(f"load: scenario {scenario.name} against {address}", flush=True)
             logs = stack.controller_logs() if stack is not None else []
-            runs.append(run_scenario(scenario, address, RUNS / scenario.name, logs))
+            runs.append(run_scenario(scenario, address, RUNS / scenario.name, logs, metrics_url))
     finally:
         if stack is not None:
             stack.stop()
     for run in runs:
         write_plot(run, args.report.parent / "img" / f"load_{run.scenario}.png")
+        if run.batches:
+            write_batch_plot(run, args.report.parent / "img" / f"load_{run.scenario}_batch.png")
     invocation = "make load" if argv is None and not sys.argv[1:] else "python -m tests.load.run " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
     )

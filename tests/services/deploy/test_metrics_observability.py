@@ -56,6 +56,8 @@ def test_dashboard_charts_every_metric_by_its_exported_series(root: Path) -> Non
     defined = _defined_metrics(root)
     used = set(re.findall(r"ray_genserve_\w+", " ".join(_expressions(_dashboard(root)))))
     exported = {f"ray_{name}{SERIES_SUFFIX[kind]}" for name, kind in defined.items()}
+    exported |= {f"ray_{name}{part}" for name, kind in defined.items() if kind == "Histogram"
+                 for part in ("_count", "_sum")}  # a histogram's other series
     assert used <= exported, f"the dashboard queries series no service exports: {sorted(used - exported)}"
     uncharted = {name for name, kind in defined.items() if f"ray_{name}{SERIES_SUFFIX[kind]}" not in used}
     assert not uncharted
