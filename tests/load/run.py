@@ -81,8 +81,8 @@ SCENARIOS = {
     # exceed their target_ongoing_requests and the autoscaler adds a replica.
     "mixed": Scenario("mixed", 16, 4, 60, 0.5, "text=4,gan=2,vae=2,diffusion=2,http=3", 48, 20, 40),
     # 28 diffusion users, more than 2 replicas x max_ongoing_requests + max_queued_requests (24) admit; the other
-    # apps keep a light load to show they are unaffected.
-    "overload": Scenario("overload", 44, 22, 30, 0.5, "text=1,gan=1,vae=1,diffusion=7,http=1", 48, 20, 30),
+    # apps keep a light load (2 users each) to show they are unaffected, and leave the proxy a core to shed with.
+    "overload": Scenario("overload", 36, 18, 30, 0.5, "text=1,gan=1,vae=1,diffusion=14,http=1", 48, 20, 30),
 }
 
 
