@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -86,63 +87,62 @@ SCENARIOS = {
 }
 
 
-class ReplicaSampler(threading.Thread):
-    """Asks the `health` app for every application's replicas by state once per `period_s`."""
+class PeriodicSampler(threading.Thread):
+    """Takes a sample once per `period_s` until stopped. A sample lost under load is counted in `errors` and leaves
+    a gap in the data; it never fails the run."""
 
-    def __init__(self, address: str, period_s: float = 1.0):
+    def __init__(self, period_s: float):
         super().__init__(daemon=True)
-        self.address = address
         self.period_s = period_s
-        self.samples: list[ReplicaSample] = []
         self.errors = 0
         self._halt = threading.Event()
 
-    def run(self) -> None:
-        with Client(self.address, timeout=5.0) as client:
-            while not self._halt.is_set():
-                started = time.time()
-                try:
-                    reply = client.status()
-                except Exception:  # a status call lost under load is a gap in the plot, not a failed run
-                    self.errors += 1
-                else:
-                    for app in reply.apps:
-                        if app.name in APPS:
-                            self.samples.append(ReplicaSample(started, app.name, app.status, dict(app.replicas)))
-                self._halt.wait(max(0.0, self.period_s - (time.time() - started)))
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join(timeout=10)
-
-
-class BatchSampler(threading.Thread):
-    """Scrapes the stack's Prometheus endpoint once per `period_s` for the cumulative batch histograms of every
-    replica (`ray_genserve_batch_size`, `ray_genserve_batch_wait_seconds`)."""
-
-    def __init__(self, url: str, period_s: float = 1.0):
-        super().__init__(daemon=True)
-        self.url = url
-        self.period_s = period_s
-        self.samples: list[BatchSample] = []
-        self.errors = 0
-        self._halt = threading.Event()
-
-    def run(self) -> None:
+    def every_period(self, take: Callable[[float], None]) -> None:
+        """`take(started)` once per period (its wall-clock start time) until `stop`."""
         while not self._halt.is_set():
             started = time.time()
             try:
-                with urllib.request.urlopen(self.url, timeout=5) as response:
-                    text = response.read().decode(errors="replace")
-            except Exception:  # a scrape lost under load merges two intervals, it does not fail the run
+                take(started)
+            except Exception:
                 self.errors += 1
-            else:
-                self.samples += parse_batch_metrics(text, started)
             self._halt.wait(max(0.0, self.period_s - (time.time() - started)))
 
     def stop(self) -> None:
         self._halt.set()
         self.join(timeout=10)
+
+
+class ReplicaSampler(PeriodicSampler):
+    """Asks the `health` app for every application's replicas by state once per `period_s`."""
+
+    def __init__(self, address: str, period_s: float = 1.0):
+        super().__init__(period_s)
+        self.address = address
+        self.samples: list[ReplicaSample] = []
+
+    def run(self) -> None:
+        with Client(self.address, timeout=5.0) as client:
+            def take(started: float) -> None:
+                self.samples += [ReplicaSample(started, app.name, app.status, dict(app.replicas))
+                                 for app in client.status().apps if app.name in APPS]
+            self.every_period(take)
+
+
+class BatchSampler(PeriodicSampler):
+    """Scrapes the stack's Prometheus endpoint once per `period_s` for the cumulative batch histograms of every
+    replica (`ray_genserve_batch_size`, `ray_genserve_batch_wait_seconds`)."""
+
+    def __init__(self, url: str, period_s: float = 1.0):
+        super().__init__(period_s)
+        self.url = url
+        self.samples: list[BatchSample] = []
+
+    def run(self) -> None:
+        def take(started: float) -> None:
+            with urllib.request.urlopen(self.url, timeout=5) as response:
+                text = response.read().decode(errors="replace")
+            self.samples += parse_batch_metrics(text, started)
+        self.every_period(take)
 
 
 class LocalStack:
@@ -230,6 +230,15 @@ def locust_command(scenario: Scenario, address: str) -> list[str]:
     ]
 
 
+def shown_command(command: list[str]) -> str:
+    """The command as docs/load.md prints it: paths inside the checkout relative to it, so the page means the same
+    on any machine."""
+    def shown(part: str) -> str:
+        path = Path(part)
+        return str(path.relative_to(ROOT)) if path.is_absolute() and path.is_relative_to(ROOT) else part
+    return " ".join(shlex.quote(shown(c)) for c in command)
+
+
 class ControllerLogWatch:
     """Lines about dying or unhealthy replicas that the controller logs while a scenario runs."""
 
@@ -276,7 +285,7 @@ def run_scenario(scenario: Scenario, address: str, out: Path, logs: list[Path], 
                                               "cooldown_s": scenario.cooldown_s}))
     return LoadRun(
         scenario=scenario.name,
-        command=" ".join(shlex.quote(c) for c in command),
+        command=shown_command(command),
         env=scenario.env(),
         users=scenario.users,
         run_time_s=scenario.run_time_s,
