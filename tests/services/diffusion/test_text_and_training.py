@@ -76,16 +76,22 @@ def test_loss_is_zero_for_a_perfect_v_predictor(tiny_model: LatentDiffusion) -> 
     assert train.training_loss(tiny_model, config, abar, z, ids, gen_a).item() < 1e-10
 
 
-def test_short_training_run_resumes_and_exports(tmp_path: Path) -> None:
+def tiny_training(tmp_path: Path) -> tuple[argparse.ArgumentParser, list[str]]:
+    """The training command's parser and the arguments of a seconds-long run on a random tiny VAE (scaling 0.7)."""
     vae_dir = tmp_path / "vae"
     torch.manual_seed(0)
     save_checkpoint(vae_dir, VAE(VAEConfig(block_out_channels=(8, 8, 8), norm_groups=4, scaling_factor=0.7)),
                     VAEConfig(block_out_channels=(8, 8, 8), norm_groups=4, scaling_factor=0.7))
     parser = argparse.ArgumentParser()
     train.add_arguments(parser)
-    common = ["--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "out"), "--vae", str(vae_dir),
-              "--pool-size", "64", "--batch-size", "8", "--channels", "32", "--text-dim", "32",
-              "--sample-every", "1000", "--eval-every", "1000", "--final-eval-prompts", "2", "--no-progress"]
+    return parser, ["--vae", str(vae_dir), "--pool-size", "64", "--batch-size", "8", "--channels", "32",
+                    "--text-dim", "32", "--sample-every", "1000", "--eval-every", "1000", "--final-eval-prompts", "2",
+                    "--no-progress"]
+
+
+def test_short_training_run_resumes_and_exports(tmp_path: Path) -> None:
+    parser, tiny = tiny_training(tmp_path)
+    common = ["--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "out"), *tiny]
     train.run(parser.parse_args(common + ["--steps", "2"]))
     metrics = train.run(parser.parse_args(common + ["--steps", "3"]))
     exported = load_diffusion(tmp_path / "out")
@@ -143,14 +149,7 @@ def test_insert_unknown_words() -> None:
 
 
 def test_init_fine_tunes_exported_weights_in_a_fresh_run_dir(tmp_path: Path) -> None:
-    vae_dir = tmp_path / "vae"
-    torch.manual_seed(0)
-    save_checkpoint(vae_dir, VAE(VAEConfig(block_out_channels=(8, 8, 8), norm_groups=4, scaling_factor=0.7)),
-                    VAEConfig(block_out_channels=(8, 8, 8), norm_groups=4, scaling_factor=0.7))
-    parser = argparse.ArgumentParser()
-    train.add_arguments(parser)
-    common = ["--vae", str(vae_dir), "--pool-size", "64", "--batch-size", "8", "--channels", "32", "--text-dim", "32",
-              "--sample-every", "1000", "--eval-every", "1000", "--final-eval-prompts", "2", "--no-progress"]
+    parser, common = tiny_training(tmp_path)
     train.run(parser.parse_args(common + ["--run-dir", str(tmp_path / "a"), "--out", str(tmp_path / "w"),
                                           "--steps", "2"]))
     base = load_diffusion(tmp_path / "w")
