@@ -23,7 +23,7 @@ import grpc
 import torch
 from genserve.v1 import common_pb2, diffusion_pb2, vae_pb2
 from grpc_health.v1 import health_pb2
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from ray import serve
 from ray.serve.deployment import Application
 from ray.serve.exceptions import BackPressureError
@@ -67,6 +67,10 @@ class StepBatchArgs(AppArgs):
     batch_wait_s: float = Field(0.005, ge=0, le=1, allow_inf_nan=False)  # how long an idle loop waits for others
 
 
+# The request fields that name one of a fixed set ("" = the model's default): what the error calls it, the names.
+_NAMED_CHOICES = {"guidance": ("guidance mode", GUIDANCE_MODES), "scheduler": ("scheduler", tuple(sorted(SCHEDULERS)))}
+
+
 class DiffusionIn(Request):
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     negative_prompt: str = Field("", max_length=MAX_PROMPT_CHARS)
@@ -82,18 +86,12 @@ class DiffusionIn(Request):
     guidance: str = ""
     negative_weight: float | None = Field(None, ge=0, le=MAX_NEGATIVE_WEIGHT, allow_inf_nan=False)
 
-    @field_validator("guidance")
+    @field_validator("guidance", "scheduler")
     @classmethod
-    def _known_guidance(cls, name: str) -> str:
-        if name and name not in GUIDANCE_MODES:
-            raise ValueError(f"unknown guidance mode {name!r}; one of {', '.join(GUIDANCE_MODES)}")
-        return name
-
-    @field_validator("scheduler")
-    @classmethod
-    def _known_scheduler(cls, name: str) -> str:
-        if name and name not in SCHEDULERS:
-            raise ValueError(f"unknown scheduler {name!r}; one of {', '.join(sorted(SCHEDULERS))}")
+    def _known_name(cls, name: str, info: ValidationInfo) -> str:
+        kind, names = _NAMED_CHOICES[info.field_name]
+        if name and name not in names:
+            raise ValueError(f"unknown {kind} {name!r}; one of {', '.join(names)}")
         return name
 
 
