@@ -12,6 +12,7 @@ import pytest
 
 from services.common.deploy_config import LOCAL_APPS
 from services.http.schemas import MAX_BODY_BYTES
+from tests.e2e.test_e2e_overload import PATIENCE_S
 
 pytestmark = pytest.mark.e2e
 
@@ -144,12 +145,13 @@ async def flood(url: str, n: int, patience_s: float) -> list[tuple[int | None, f
 
 def test_overload_answers_429_with_retry_after_then_recovers(stack, http: httpx.Client) -> None:
     capacity = DIFFUSION.max_replicas * DIFFUSION.max_ongoing_requests + DIFFUSION.max_queued_requests
-    results = asyncio.run(flood(stack.http_url, capacity + 16, patience_s=3.0))
+    results = asyncio.run(flood(stack.http_url, capacity + 16, patience_s=PATIENCE_S))
     refused = [r for r in results if r[0] == 429]
     assert len(refused) >= 8, results
     assert {status for status, *_ in results} <= {200, 429, None}, results
+    first_done = min((seconds for status, seconds, *_ in results if status == 200), default=PATIENCE_S)
     for _, seconds, error, retry_after in refused:
-        assert seconds < 1.5 and retry_after == "1"
+        assert seconds < first_done and retry_after == "1"  # shed, not queued until capacity frees up
         assert error["type"] == "rate_limit_error" and error["code"] == "overloaded"
     deadline = time.monotonic() + 15
     while (reply := http.post("/images/generations", json=IMAGE)).status_code == 429 and time.monotonic() < deadline:

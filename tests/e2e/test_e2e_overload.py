@@ -16,7 +16,9 @@ from services.common.deploy_config import LOCAL_APPS
 pytestmark = pytest.mark.e2e
 
 DIFFUSION = next(spec for spec in LOCAL_APPS if spec.name == "diffusion")
-PATIENCE_S = 3.0
+# Long enough for a contended 2-core runner: with busy loops beside the stack the proxy took up to 5 s to refuse the
+# last of the burst (on a quiet machine 0.1-0.3 s); a 200-step stream takes 10 s or more even when the box is quiet.
+PATIENCE_S = 10.0
 RECOVERY_S = 15.0
 
 
@@ -55,7 +57,8 @@ def test_requests_past_the_queue_are_refused_fast_then_service_recovers(stack, c
     codes = [code for code, _ in results]
     refused = [seconds for code, seconds in results if code == grpc.StatusCode.RESOURCE_EXHAUSTED]
     assert len(refused) >= 8, results
-    assert max(refused) < 1.0, results  # shed at once, not after waiting in a queue
+    # Shed without waiting for capacity to free up: every refusal comes before the first accepted stream finishes.
+    assert max(refused) < min((s for code, s in results if code == grpc.StatusCode.OK), default=PATIENCE_S), results
     assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED, None}, results
     assert len(after_the_queue_drains(client).images) == 1
 
