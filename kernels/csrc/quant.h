@@ -32,6 +32,11 @@ static inline int64_t qblock_bytes(int type) {
     }
 }
 
+/* Bytes from one block of 32 weights to the next; the products below also read fp32 rows, as blocks of 128 bytes. */
+static inline int64_t qblock_stride(int type) {
+    return type == QTYPE_F32 ? QK * (int64_t)sizeof(float) : qblock_bytes(type);
+}
+
 /* An IEEE half at p (any alignment: blocks of 18 or 34 bytes put every other scale on an odd address). */
 static inline float half_at(const uint8_t *p) {
     uint16_t h;
@@ -61,6 +66,10 @@ static inline float half_at(const uint8_t *p) {
 
 /* The 32 fp32 weights of one block b of `type`. */
 static inline void dequant_block(int type, const uint8_t *b, float *restrict w) {
+    if (type == QTYPE_F32) {
+        memcpy(w, b, QK * sizeof(float));
+        return;
+    }
     const float d = half_at(b);
     if (type == QTYPE_Q8_0) {
         const int8_t *q = (const int8_t *)(b + 2);
@@ -117,6 +126,10 @@ static inline float qv_sum(__m256 v) {
 
 /* One block's 32 weights as QV vectors, lanes in weight order. */
 static inline __attribute__((always_inline)) void block_vectors(int type, const uint8_t *b, qvec *w) {
+    if (type == QTYPE_F32) {
+        for (int v = 0; v < QV; v++) w[v] = qv_load((const float *)b + v * QLANES);
+        return;
+    }
     const qvec d = qv_set1(half_at(b));
     if (type == QTYPE_Q8_0) {
         for (int v = 0; v < QV; v++) /* loads of exactly QLANES bytes: never past the block */
@@ -151,7 +164,7 @@ static inline __attribute__((always_inline)) void block_vectors(int type, const 
 static inline __attribute__((always_inline)) void qdot_tile(int type, const uint8_t *restrict wr,
                                                             const float *restrict x, int64_t xstride, const int m,
                                                             int64_t k, float *restrict out, int64_t ostride) {
-    const int64_t bytes = qblock_bytes(type), nb = k / QK;
+    const int64_t bytes = qblock_stride(type), nb = k / QK;
 #ifdef QLANES
     qvec acc[QROWS][2];
     for (int i = 0; i < m; i++) acc[i][0] = acc[i][1] = qv_zero();

@@ -72,11 +72,10 @@ def test_greedy_generation_matches_transformers_alone_and_in_a_batch(checkpoint)
     assert engine.kv_blocks_free == engine.blocks.num_blocks
 
 
-def test_fused_cpu_decode_steps_match_forward_paged(checkpoint, cpu_kernels):
-    """The engine's fused CPU decode kernel (one call per step) against the module path on the same batches,
-    mixed context lengths in one batch, Mistral's window crossed, Qwen2's q/k/v biases."""
-    arch, _, directory = checkpoint
-    engine = make_engine(directory, block_size=4, max_lookahead=1)  # one kernel call per step, each compared
+def fused_step_differences(directory, prompts: list[list[int]]) -> list[float]:
+    """max |fused - forward_paged| of the logits of every decode step of ``prompts`` run together greedily, one
+    kernel call per step, each compared against the module path on the same batch."""
+    engine = make_engine(directory, block_size=4, max_lookahead=1)
     fused = engine.runner.fused
     assert fused is not None
     diffs: list[float] = []
@@ -88,8 +87,26 @@ def test_fused_cpu_decode_steps_match_forward_paged(checkpoint, cpu_kernels):
         return out
 
     engine.runner.fused = both
-    prompts = [list(range(1, 20)), list(range(40, 45)), list(range(100, 131))]
     engine.generate_batch(prompts, SamplingParams(max_tokens=24, temperature=0))
+    return diffs
+
+
+def test_fused_cpu_decode_steps_match_forward_paged(checkpoint, cpu_kernels):
+    """The engine's fused CPU decode kernel against the module path: mixed context lengths in one batch, Mistral's
+    window crossed, Qwen2's q/k/v biases; 11 sequences, so the products run a full tile of rows and a partial one."""
+    _, _, directory = checkpoint
+    prompts = [list(range(1, 20)), list(range(40, 45)), list(range(100, 131))]
+    prompts += [list(range(3 * i + 1, 3 * i + 2 + i)) for i in range(8)]
+    diffs = fused_step_differences(directory, prompts)
+    assert len(diffs) >= 20
+    assert max(diffs) <= LOGITS_ATOL
+
+
+def test_fused_cpu_decode_steps_match_forward_paged_at_widths_off_the_32_block(tmp_path, cpu_kernels):
+    """Widths that are not a multiple of 32 (48 and 72) leave the tiled products for plain dot products."""
+    torch.manual_seed(0)
+    directory = save_hf(hf_model("llama", hidden_size=48, intermediate_size=72), tmp_path, sharded=False)
+    diffs = fused_step_differences(directory, [list(range(1, 20)), list(range(40, 45)), list(range(100, 131))])
     assert len(diffs) >= 20
     assert max(diffs) <= LOGITS_ATOL
 
