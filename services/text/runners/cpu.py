@@ -7,7 +7,8 @@ dequantises them inside its products.
 A decode step reads every weight once; op by op in PyTorch, the small tensor ops around the matrix-vector products
 cost about as much again as the products themselves, hence the fused step. It applies to fp32 Llama-family models
 with SwiGLU FFNs and rotate-half RoPE; anything else (int8 or bf16 weights, gated attention, the parallel block, MoE,
-interleaved RoPE, a biased LM head, or no C compiler) keeps ``forward_paged``.
+interleaved RoPE, a biased LM head, or no C compiler) keeps ``forward_paged``. The runner first moves the weights
+into huge pages (runners/huge_pages.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from services.text.engine.params import TokenLogprob
 from services.text.engine.sampler import SampleRow, sample_batch
 from services.text.model import LlamaForCausalLM
 from services.text.paged import PagedBatch
+from services.text.runners.huge_pages import move_to_huge_pages
 from shared.blocks.ffn import SwiGLU
 from shared.blocks.quant_linear import QuantLinear
 
@@ -129,6 +131,7 @@ class CpuRunner:
         self.model = model.eval()
         self.device = torch.device("cpu")
         self.max_lookahead = max_lookahead
+        self.arena = move_to_huge_pages(self.model)  # first: the fused step below keeps pointers into the weights
         # The fused C step where it applies and the kernels built; the model's per-layer forward otherwise.
         self.fused = FusedDecodeStep(model) if fused and FusedDecodeStep.applies(model) and \
             cpu_decode_step.available() else None
