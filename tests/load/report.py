@@ -72,32 +72,24 @@ class BatchSample:
 
 
 @dataclass(frozen=True)
-class BatchDelta:
-    """What one series gained between two scrapes (or since it appeared): model calls, images, calls with at most
-    one image, batch waits and their seconds; `t` is the later scrape; `exact` unless the images are the
-    histogram's midpoint `_sum`."""
-
-    t: float
-    service: str
-    method: str
-    calls: float
-    images: float
-    single: float
-    wait_s: float
-    waits: float
-    exact: bool = True
-
-
-@dataclass(frozen=True)
 class BatchStats:
+    """Model calls of one (service, method), the images they carried, calls with at most one image, batch waits and
+    their seconds; `exact` unless the images are the histogram's midpoint `_sum`."""
+
     service: str
     method: str
-    calls: float
-    images: float
-    single: float
-    wait_s: float
-    waits: float
+    calls: float = 0.0
+    images: float = 0.0
+    single: float = 0.0
+    wait_s: float = 0.0
+    waits: float = 0.0
     exact: bool = True
+
+    def merged(self, other: BatchStats) -> BatchStats:
+        """Both summed; midpoint images make the sum inexact only where they came with model calls."""
+        return BatchStats(self.service, self.method, self.calls + other.calls, self.images + other.images,
+                          self.single + other.single, self.wait_s + other.wait_s, self.waits + other.waits,
+                          (self.exact or not self.calls) and (other.exact or not other.calls))
 
     @property
     def mean(self) -> float:
@@ -111,6 +103,14 @@ class BatchStats:
     @property
     def mean_wait_ms(self) -> float:
         return 1000 * self.wait_s / self.waits if self.waits else math.nan
+
+
+@dataclass(frozen=True)
+class BatchDelta:
+    """What one series gained between two scrapes (or since it appeared); `t` is the later scrape."""
+
+    t: float
+    stats: BatchStats
 
 
 @dataclass(frozen=True)
@@ -266,28 +266,24 @@ def batch_deltas(samples: list[BatchSample]) -> list[BatchDelta]:
         if not calls and not waits:
             continue
         exact = sample.images is not None and before.images is not None
-        deltas.append(BatchDelta(
-            t=sample.t, service=sample.service, method=sample.method, calls=calls,
+        deltas.append(BatchDelta(sample.t, BatchStats(
+            service=sample.service, method=sample.method, calls=calls,
             images=sample.images - before.images if exact else sample.sum - before.sum,
             single=sample.buckets.get("1", 0.0) - before.buckets.get("1", 0.0),
             wait_s=sample.wait_sum - before.wait_sum, waits=waits, exact=exact,
-        ))
+        )))
     return deltas
 
 
 def batch_stats(samples: list[BatchSample], start: float | None = None, end: float | None = None) -> list[BatchStats]:
     """Per (service, method), what the scrapes with `start` < t <= `end` added: the table of docs/load.md."""
-    totals: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0] * 5)
-    exact: dict[tuple[str, str], bool] = defaultdict(lambda: True)
+    totals: dict[tuple[str, str], BatchStats] = {}
     for delta in batch_deltas(samples):
         if (start is not None and delta.t <= start) or (end is not None and delta.t > end):
             continue
-        row = totals[(delta.service, delta.method)]
-        for i, value in enumerate((delta.calls, delta.images, delta.single, delta.wait_s, delta.waits)):
-            row[i] += value
-        exact[(delta.service, delta.method)] &= delta.exact or not delta.calls
-    return [BatchStats(service, method, *values, exact=exact[(service, method)])
-            for (service, method), values in sorted(totals.items())]
+        key = (delta.stats.service, delta.stats.method)
+        totals[key] = totals.get(key, BatchStats(*key)).merged(delta.stats)
+    return [totals[key] for key in sorted(totals)]
 
 
 def batch_timeline(samples: list[BatchSample], started: float, end: float, bin_s: float = 3.0) -> dict[str, list]:
@@ -298,9 +294,10 @@ def batch_timeline(samples: list[BatchSample], started: float, end: float, bin_s
     calls: dict[str, list[float]] = defaultdict(lambda: [0.0] * n_bins)
     for delta in batch_deltas(samples):
         index = math.ceil((delta.t - started) / bin_s) - 1  # a scrape closes the interval it ends
-        if 0 <= index < n_bins and delta.calls:
-            images[f"{delta.service} {delta.method}"][index] += delta.images
-            calls[f"{delta.service} {delta.method}"][index] += delta.calls
+        if 0 <= index < n_bins and delta.stats.calls:
+            name = f"{delta.stats.service} {delta.stats.method}"
+            images[name][index] += delta.stats.images
+            calls[name][index] += delta.stats.calls
     series: dict[str, list] = {"t": [(i + 0.5) * bin_s for i in range(n_bins)]}
     for name in sorted(calls):
         series[f"mean:{name}"] = [i / c if c else math.nan for i, c in zip(images[name], calls[name], strict=True)]

@@ -198,8 +198,8 @@ def test_batch_samples_survive_their_json_lines(tmp_path: Path) -> None:
 
 def test_batch_deltas_count_from_the_first_scrape_and_new_replicas_from_zero() -> None:
     deltas = report.batch_deltas(_two_scrapes())
-    assert {(d.service, d.method, d.calls) for d in deltas} == {("gan", "generate", 2.0), ("gan", "generate", 1.0),
-                                                                ("diffusion", "Generate", 20.0)}  # not the gone vae
+    assert {(d.stats.service, d.stats.method, d.stats.calls) for d in deltas} == {
+        ("gan", "generate", 2.0), ("gan", "generate", 1.0), ("diffusion", "Generate", 20.0)}  # not the gone vae
     stats = {row.service: row for row in report.batch_stats(_two_scrapes())}
     gan, diffusion = stats["gan"], stats["diffusion"]
     # GAN: r1 gained 2 calls / 12 images, the new r2 1 call / 4 images: 16 images in 3 calls.
