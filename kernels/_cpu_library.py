@@ -47,10 +47,11 @@ _SIGNATURES = {
     # q, k_cache, v_cache, tables, lens, out, batch, hq, hkv, d, block_size, max_blocks, scale, threads
     "paged_decode_f32": [_PTR] * 6 + [_I64] * 6 + [_F32, _INT],
     "paged_decode_bf16": [_PTR] * 6 + [_I64] * 6 + [_F32, _INT],
-    # layer weights, n_layers, step inputs, k_caches, v_caches, x, norm, eps, head, head type, vocab, logits, threads
-    "decode_step_f32": [_PTR, _I64] + [_PTR] * 5 + [_F32, _PTR, _INT, _I64, _PTR, _INT],
+    # layer weights, n_layers, step inputs, k_caches, v_caches, x, norm, eps, head, head type, head row scales,
+    # vocab, logits, threads
+    "decode_step_f32": [_PTR, _I64] + [_PTR] * 5 + [_F32, _PTR, _INT, _PTR, _I64, _PTR, _INT],
     # the same, then n_steps and the (M, n_steps) int64 tokens before threads
-    "decode_steps_f32": [_PTR, _I64] + [_PTR] * 5 + [_F32, _PTR, _INT, _I64, _PTR, _I64, _PTR, _INT],
+    "decode_steps_f32": [_PTR, _I64] + [_PTR] * 5 + [_F32, _PTR, _INT, _PTR, _I64, _PTR, _I64, _PTR, _INT],
     # x, gamma, beta, y, b, c, hw, groups, eps, channels_last, silu
     "group_norm_f32": [_PTR] * 4 + [_I64] * 4 + [_F32] + [_INT] * 2,
     # block weights, block inputs, the address of a BLAS sgemm_

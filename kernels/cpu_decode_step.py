@@ -1,7 +1,8 @@
 """A whole decode step of a Llama-family model for a CPU engine's decode tokens in one call (csrc/decode_step.c),
-fp32: the embedding lookup, every layer, the final RMSNorm and the LM head, without leaving one OpenMP region.
-Each projection and the LM head is an fp32 tensor or a ``QuantWeight``: a GGUF checkpoint's Q8_0/Q4_0/Q4_1 blocks,
-dequantised inside the products.
+with fp32 activations: the embedding lookup, every layer, the final RMSNorm and the LM head, without leaving one
+OpenMP region. Each projection and the LM head is an fp32 or bf16 tensor, a ``QuantWeight`` (a GGUF checkpoint's
+Q8_0/Q4_0/Q4_1 blocks) or ``Int8Rows`` (int8 weights with per-row scales), widened inside the products; the
+embedding and the K/V caches are fp32 or bf16.
 
 ``LayerWeights`` holds one layer's weights (pointers into the model's own tensors, which it keeps alive);
 ``StepKernel`` all layers plus the embedding, the final norm and the head, and reusable scratch per batch size.
@@ -22,13 +23,16 @@ from shared.blocks.quant_formats import quant_format, row_bytes
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
-_MATRICES = ("wq", "wk", "wv", "wo", "wg", "wu", "wd")  # the order of the C struct's types[]
+_MATRICES = ("wq", "wk", "wv", "wo", "wg", "wu", "wd")  # the order of the C struct's types[] and scales[]
+BF16_TYPE = 30  # GGML's id for bf16 rows (csrc/quant.h)
+INT8_ROWS_TYPE = 1024  # ours: int8 rows, each product times its row's scale (csrc/quant.h)
+_BLOCK = 32  # bf16 and int8 rows are read in blocks of 32 values
 
 
 class _LayerWeights(ctypes.Structure):
     _fields_ = [(n, _P) for n in ("ln1", "wq", "wk", "wv", "bq", "bk", "bv", "wo", "ln2", "wg", "wu", "wd")] + \
                [(n, _I64) for n in ("dim", "hq", "hkv", "d", "ffn", "window")] + [("eps", _F32), ("scale", _F32)] + \
-               [("types", ctypes.c_int32 * len(_MATRICES))]
+               [("types", ctypes.c_int32 * len(_MATRICES)), ("scales", _P * len(_MATRICES))]
 
 
 @dataclass(frozen=True)
@@ -40,14 +44,49 @@ class QuantWeight:
     qtype: str | int
 
 
-def _out_features(w: torch.Tensor | QuantWeight) -> int:
-    return (w if isinstance(w, torch.Tensor) else w.blocks).shape[0]
+@dataclass(frozen=True)
+class Int8Rows:
+    """A weight matrix (out_features, in_features) as int8 ``weight`` rows times per-row ``scales`` (out_features,):
+    services/text/quantize.py's Int8Linear."""
+
+    weight: torch.Tensor
+    scales: torch.Tensor
 
 
-def _matrix(w: torch.Tensor | QuantWeight, shape: tuple[int, int]) -> tuple[torch.Tensor, int]:
-    """A projection as (the tensor the kernel reads, its GGML type id: 0 for fp32); ValueError on a misfit."""
+Matrix = torch.Tensor | QuantWeight | Int8Rows
+
+
+def _out_features(w: Matrix) -> int:
+    if isinstance(w, QuantWeight):
+        return w.blocks.shape[0]
+    return (w.weight if isinstance(w, Int8Rows) else w).shape[0]
+
+
+def fused_matrix_ok(w: Matrix) -> bool:
+    """True when the kernel reads ``w`` as it is: fp32 of any width on the CPU; bf16 and int8 rows (read in blocks
+    of 32) when in_features is a multiple of 32; GGUF blocks always (their rows are whole blocks)."""
+    if isinstance(w, QuantWeight):
+        return w.blocks.device.type == "cpu"
+    t = w.weight if isinstance(w, Int8Rows) else w
+    if t.device.type != "cpu" or t.dim() != 2:
+        return False
+    if isinstance(w, Int8Rows):
+        return t.dtype == torch.int8 and t.shape[1] % _BLOCK == 0
+    return t.dtype == torch.float32 or (t.dtype == torch.bfloat16 and t.shape[1] % _BLOCK == 0)
+
+
+def _matrix(w: Matrix, shape: tuple[int, int]) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """A projection as (the tensor the kernel reads, its type id: 0 for fp32, its per-row scales or None);
+    ValueError on a misfit."""
+    if not fused_matrix_ok(w):
+        raise ValueError(f"decode step: a {shape} projection the kernel cannot read (fp32, bf16 or int8 rows with "
+                         f"in_features a multiple of {_BLOCK}, or GGUF blocks, on the CPU)")
+    if isinstance(w, Int8Rows):
+        return _typed(w.weight, torch.int8, shape), INT8_ROWS_TYPE, _typed(w.scales, torch.float32, shape[:1])
     if isinstance(w, torch.Tensor):
-        return _fp32(w, shape), 0
+        if w.dtype == torch.bfloat16:
+            return _typed(w, torch.bfloat16, shape), BF16_TYPE, None
+        return _fp32(w, shape), 0, None
     fmt = quant_format(w.qtype)
     blocks = w.blocks
     expected = (shape[0], row_bytes(fmt, shape[1]))
@@ -55,13 +94,14 @@ def _matrix(w: torch.Tensor | QuantWeight, shape: tuple[int, int]) -> tuple[torc
             tuple(blocks.shape) != expected:
         raise ValueError(f"decode step: expected contiguous uint8 {fmt.name} blocks of shape {expected} on the CPU, "
                          f"got {blocks.dtype} {tuple(blocks.shape)} on {blocks.device}")
-    return blocks, fmt.ggml_type
+    return blocks, fmt.ggml_type, None
 
 
 class _StepInputs(ctypes.Structure):
     _fields_ = [(n, _P) for n in ("tokens", "positions", "slots", "tables", "lens", "embed", "cos", "sin", "h", "q",
                                   "k", "v", "att", "act")] + \
-               [(n, _I64) for n in ("m", "block_size", "max_blocks", "vocab", "n_positions")]
+               [(n, _I64) for n in ("m", "block_size", "max_blocks", "vocab", "n_positions", "embed_bf16",
+                                    "cache_bf16")]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -77,6 +117,10 @@ def _fp32(t: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor | None
     return t
 
 
+def _fp32_or_bf16(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    return _typed(t, torch.bfloat16, shape) if t.dtype == torch.bfloat16 else _fp32(t, shape)
+
+
 def _typed(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     if tuple(t.shape) != shape:
         raise ValueError(f"decode step: expected shape {shape}, got {tuple(t.shape)}")
@@ -88,9 +132,9 @@ def available() -> bool:
 
 
 class LayerWeights:
-    """One layer's weights: RMSNorm gains ln1/ln2 (dim,), q/k/v/o projections (biases only on q/k/v, optional),
-    SwiGLU gate/up (ffn, dim) and down (dim, ffn), each matrix fp32 or a ``QuantWeight``; ``window`` > 0 is a
-    sliding attention window."""
+    """One layer's weights: RMSNorm gains ln1/ln2 (dim,) and q/k/v biases (optional) in fp32, q/k/v/o projections,
+    SwiGLU gate/up (ffn, dim) and down (dim, ffn), each matrix a ``Matrix`` the kernel reads (``fused_matrix_ok``);
+    ``window`` > 0 is a sliding attention window."""
 
     def __init__(self, *, ln1, wq, wk, wv, wo, ln2, wg, wu, wd, bq=None, bk=None, bv=None, n_heads: int,
                  n_kv_heads: int, head_dim: int, eps: float, scale: float, window: int = 0):
@@ -99,29 +143,31 @@ class LayerWeights:
         shapes = dict(ln1=(dim,), wq=(nq, dim), wk=(nkv, dim), wv=(nkv, dim), wo=(dim, nq), ln2=(dim,),
                       wg=(ffn, dim), wu=(ffn, dim), wd=(dim, ffn), bq=(nq,), bk=(nkv,), bv=(nkv,))
         given = dict(ln1=ln1, wq=wq, wk=wk, wv=wv, bq=bq, bk=bk, bv=bv, wo=wo, ln2=ln2, wg=wg, wu=wu, wd=wd)
-        typed = {name: _matrix(t, shapes[name]) if name in _MATRICES else (_fp32(t, shapes[name]), 0)
+        typed = {name: _matrix(t, shapes[name]) if name in _MATRICES else (_fp32(t, shapes[name]), 0, None)
                  for name, t in given.items()}
-        self._keep = {name: t for name, (t, _) in typed.items()}
+        self._keep = {name: t for name, (t, _, _) in typed.items()}
+        self._scales = [typed[name][2] for name in _MATRICES]
         self.dim = dim
         types = (ctypes.c_int32 * len(_MATRICES))(*(typed[name][1] for name in _MATRICES))
+        scales = (_P * len(_MATRICES))(*map(_ptr, self._scales))
         self.struct = _LayerWeights(*(_ptr(t) for t in self._keep.values()), dim, n_heads, n_kv_heads, head_dim,
-                                    ffn, window, eps, scale, types)
+                                    ffn, window, eps, scale, types, scales)
 
 
 class StepKernel:
-    """All layers between the embedding (vocab, dim) and the final RMSNorm (gain ``norm`` (dim,), ``eps``) + LM
-    head (vocab, dim; fp32 or a ``QuantWeight``), no bias; RoPE tables cos/sin (n_positions, head_dim / 2) in the
+    """All layers between the embedding (vocab, dim; fp32 or bf16) and the final RMSNorm (fp32 gain ``norm`` (dim,),
+    ``eps``) + LM head (vocab, dim; a ``Matrix``), no bias; RoPE tables cos/sin (n_positions, head_dim / 2) in the
     rotate-half layout. One caller at a time (the engine loop): the scratch and the step struct are shared by every
     call."""
 
     def __init__(self, layers: list[LayerWeights], *, embed: torch.Tensor, norm: torch.Tensor, eps: float,
-                 head: torch.Tensor | QuantWeight, n_heads: int, n_kv_heads: int, head_dim: int, ffn: int):
+                 head: Matrix, n_heads: int, n_kv_heads: int, head_dim: int, ffn: int):
         dim = layers[0].dim
         if any(layer.dim != dim for layer in layers):
             raise ValueError("decode step: every layer must have the same width")
         self._layers = layers  # keeps the weights the structs point into alive
-        self._embed, self._norm = _fp32(embed, (embed.shape[0], dim)), _fp32(norm, (dim,))
-        self._head, self._head_type = _matrix(head, (_out_features(head), dim))
+        self._embed, self._norm = _fp32_or_bf16(embed, (embed.shape[0], dim)), _fp32(norm, (dim,))
+        self._head, self._head_type, self._head_scales = _matrix(head, (_out_features(head), dim))
         self._eps = eps
         self._widths = (dim, dim, n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim,
                         n_heads * head_dim, ffn)  # x, h, q, k, v, att, act
@@ -136,6 +182,11 @@ class StepKernel:
             n = len(self._layers)
             if len(k_caches) != n or len(v_caches) != n:
                 raise ValueError(f"decode step: expected {n} key and value caches")
+            dtypes = {t.dtype for t in (*k_caches, *v_caches)}
+            if len(dtypes) != 1 or not dtypes <= {torch.float32, torch.bfloat16} or \
+                    not all(t.is_contiguous() and t.device.type == "cpu" for t in (*k_caches, *v_caches)):
+                raise ValueError(f"decode step: the caches must be contiguous CPU tensors, all fp32 or all bf16; got "
+                                 f"{sorted(map(str, dtypes))}")
             self._caches = (key, (_P * n)(*key[:n]), (_P * n)(*key[n:]))
         return self._caches[1], self._caches[2]
 
@@ -145,6 +196,7 @@ class StepKernel:
         if m not in self._steps:
             scratch = [torch.empty(m, n) for n in self._widths]
             step = _StepInputs(embed=self._embed.data_ptr(), vocab=self._embed.shape[0], m=m,
+                               embed_bf16=int(self._embed.dtype == torch.bfloat16),
                                **{name: t.data_ptr() for name, t in zip(("h", "q", "k", "v", "att", "act"), scratch[1:],
                                                                         strict=True)})
             self._steps[m] = step, scratch
@@ -181,10 +233,11 @@ class StepKernel:
         step.cos, step.sin, step.n_positions = cos.data_ptr(), sin.data_ptr(), cos.shape[0]
         step.block_size, step.max_blocks = k_caches[0].shape[1], tables.shape[-1]
         keys, values = self._cache_arrays(k_caches, v_caches)
+        step.cache_bf16 = int(k_caches[0].dtype == torch.bfloat16)
         logits = torch.empty(m, self._head.shape[0])
         args = (ctypes.addressof(self._structs), len(self._layers), ctypes.addressof(step), keys, values,
                 x.data_ptr(), self._norm.data_ptr(), self._eps, self._head.data_ptr(), self._head_type,
-                self._head.shape[0], logits.data_ptr())
+                _ptr(self._head_scales), self._head.shape[0], logits.data_ptr())
         out = None
         if steps is None:  # one step, sampled by the caller
             status = library().decode_step_f32(*args, threads())

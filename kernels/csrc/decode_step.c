@@ -9,17 +9,21 @@
  * ops per layer around the matrix-vector products cost as much again. Here the threads stay in one OpenMP region
  * for the whole step and split each phase (output features, or (token, head) pairs for attention), with a barrier
  * between phases. Activations are fp32; each projection and the LM head may instead keep a GGUF checkpoint's
- * Q8_0/Q4_0/Q4_1 blocks, dequantised in registers inside the product (quant.h), so the step streams the file's bytes.
+ * Q8_0/Q4_0/Q4_1 blocks, bf16 rows, or int8 rows with per-row scales, widened in registers inside the product
+ * (quant.h), so the step streams the stored bytes. The embedding may be bf16 and the paged K/V caches bf16 (a bf16
+ * model's): rows are widened on read and keys/values rounded to nearest-even on write, as torch's .to() rounds.
  * RoPE is the rotate-half layout, cos/sin tables of (D/2) rows indexed by position. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "element.h"
 #include "quant.h"
 
 /* What stays fixed for a layer: weights as (out, in) row-major like nn.Linear (biases may be NULL), sizes. A
- * projection matrix is fp32 or GGUF blocks (quant.h); types[] holds the GGML type of wq, wk, wv, wo, wg, wu, wd. */
+ * projection matrix is fp32 or blocks of quant.h; types[] holds the type of wq, wk, wv, wo, wg, wu, wd, and
+ * scales[] their per-row scales (int8 rows; NULL otherwise). */
 typedef struct {
     const float *ln1;
     const void *wq, *wk, *wv;
@@ -30,19 +34,22 @@ typedef struct {
     int64_t dim, hq, hkv, d, ffn, window;
     float eps, scale;
     int32_t types[7];
+    const float *scales[7];
 } LayerWeights;
 
 enum { TQ, TK, TV, TO, TG, TU, TD };
 
 /* What one step shares across layers: per token its id, position, flat cache slot, block table row and context
- * length (incl. the token); the embedding (vocab, dim) and the RoPE tables (n_positions, D/2), read at each token's
- * id and position; scratch h (M, dim), q/att (M, Hq*D), k/v (M, Hkv*D), act (M, ffn). */
+ * length (incl. the token); the embedding (vocab, dim; fp32, or bf16 when embed_bf16) and the RoPE tables
+ * (n_positions, D/2), read at each token's id and position; scratch h (M, dim), q/att (M, Hq*D), k/v (M, Hkv*D),
+ * act (M, ffn); cache_bf16 when the K/V caches hold bf16. */
 typedef struct {
     const int64_t *tokens, *positions, *slots;
     const int32_t *tables, *lens;
-    const float *embed, *cos, *sin;
+    const void *embed;
+    const float *cos, *sin;
     float *h, *q, *k, *v, *att, *act;
-    int64_t m, block_size, max_blocks, vocab, n_positions;
+    int64_t m, block_size, max_blocks, vocab, n_positions, embed_bf16, cache_bf16;
 } StepInputs;
 
 static inline float dot(const float *a, const float *b, int64_t n) {
@@ -55,10 +62,24 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 /* Rows dotted with one weight row at a time, in tiles of this many rows (a stack buffer per tile). */
 #define TILE 16
 
-/* out[i * ostride] = x_i . row j of w (type: fp32, or GGUF blocks dequantised in registers) for the m <= TILE rows
- * x_i = x + i * xstride. */
-static inline void rows_dot(const void *w, int type, int64_t j, int64_t k, const float *x, int64_t xstride,
-                            int64_t m, float *out, int64_t ostride) {
+/* A cache row's d values widened to fp32 in out: the row itself when the cache is fp32. */
+static inline const float *cache_row(const void *cache, int bf16, int64_t at, int64_t d, float *out) {
+    if (!bf16) return (const float *)cache + at;
+    for (int64_t c = 0; c < d; c++) out[c] = bf16_at((const uint16_t *)cache, at + c);
+    return out;
+}
+
+static inline void cache_store(void *cache, int bf16, int64_t at, const float *x, int64_t d) {
+    if (bf16)
+        for (int64_t c = 0; c < d; c++) ((uint16_t *)cache)[at + c] = bf16_round(x[c]);
+    else
+        memcpy((float *)cache + at, x, (size_t)d * sizeof *x);
+}
+
+/* out[i * ostride] = x_i . row j of w (type: fp32, or blocks of quant.h widened in registers, scale: int8 rows'
+ * per-row scales or NULL) for the m <= TILE rows x_i = x + i * xstride. */
+static inline void rows_dot(const void *w, int type, const float *scale, int64_t j, int64_t k, const float *x,
+                            int64_t xstride, int64_t m, float *out, int64_t ostride) {
     if (type == QTYPE_F32 && (m == 1 || k % QK)) {
         for (int64_t i = 0; i < m; i++) out[i * ostride] = dot(x + i * xstride, (const float *)w + j * k, k);
     } else if (type == QTYPE_F32) { /* several rows: the tile keeps their sums in registers, where dot after dot
@@ -67,15 +88,17 @@ static inline void rows_dot(const void *w, int type, int64_t j, int64_t k, const
     } else {
         qdot_rows(type, (const uint8_t *)w + j * (k / QK * qblock_bytes(type)), x, xstride, m, k, out, ostride);
     }
+    if (scale)
+        for (int64_t i = 0; i < m; i++) out[i * ostride] *= scale[j];
 }
 
 /* Adds x_i . row j of w to acc[i * astride] for every one of the m rows, TILE at a time. */
-static inline void rows_dot_add(const void *w, int type, int64_t j, int64_t k, const float *x, int64_t m,
-                                float *acc, int64_t astride) {
+static inline void rows_dot_add(const void *w, int type, const float *scale, int64_t j, int64_t k, const float *x,
+                                int64_t m, float *acc, int64_t astride) {
     float t[TILE];
     for (int64_t i0 = 0; i0 < m; i0 += TILE) {
         const int64_t n = m - i0 < TILE ? m - i0 : TILE;
-        rows_dot(w, type, j, k, x + i0 * k, k, n, t, 1);
+        rows_dot(w, type, scale, j, k, x + i0 * k, k, n, t, 1);
         for (int64_t i = 0; i < n; i++) acc[(i0 + i) * astride] += t[i];
     }
 }
@@ -95,9 +118,10 @@ static void rotate(float *x, const float *cos, const float *sin, int64_t half) {
     }
 }
 
-/* softmax(q K^T * scale) V over positions [start, n) of token i's paged cache, for one query head. */
-static void attend(const LayerWeights *W, const StepInputs *S, const float *k_cache, const float *v_cache,
-                   int64_t i, int64_t head, float *scores) {
+/* softmax(q K^T * scale) V over positions [start, n) of token i's paged cache, for one query head; row: scratch
+ * of d floats for a widened bf16 cache row. */
+static void attend(const LayerWeights *W, const StepInputs *S, const void *k_cache, const void *v_cache,
+                   int64_t i, int64_t head, float *scores, float *row) {
     const int64_t g = head / (W->hq / W->hkv), n = S->lens[i], d = W->d, nkv = W->hkv * d;
     const int64_t start = W->window > 0 && n > W->window ? n - W->window : 0;
     const int32_t *table = S->tables + i * S->max_blocks;
@@ -106,14 +130,14 @@ static void attend(const LayerWeights *W, const StepInputs *S, const float *k_ca
     float mx = -INFINITY, sum = 0.f;
     for (int64_t t = start; t < n; t++) {
         const int64_t slot = (int64_t)table[t / S->block_size] * S->block_size + t % S->block_size;
-        scores[t - start] = dot(qr, k_cache + slot * nkv + g * d, d) * W->scale;
+        scores[t - start] = dot(qr, cache_row(k_cache, S->cache_bf16, slot * nkv + g * d, d, row), d) * W->scale;
         mx = scores[t - start] > mx ? scores[t - start] : mx;
     }
     for (int64_t t = 0; t < n - start; t++) sum += scores[t] = expf(scores[t] - mx);
     for (int64_t c = 0; c < d; c++) o[c] = 0.f;
     for (int64_t t = start; t < n; t++) {
         const int64_t slot = (int64_t)table[t / S->block_size] * S->block_size + t % S->block_size;
-        const float *vr = v_cache + slot * nkv + g * d, p = scores[t - start] / sum;
+        const float *vr = cache_row(v_cache, S->cache_bf16, slot * nkv + g * d, d, row), p = scores[t - start] / sum;
 #pragma omp simd
         for (int64_t c = 0; c < d; c++) o[c] += p * vr[c];
     }
@@ -125,8 +149,8 @@ static void attend(const LayerWeights *W, const StepInputs *S, const float *k_ca
 #define ROWS_PER_CHUNK 64
 
 /* One layer, run by every thread of the enclosing parallel region (the omp for/single directives bind to it).
- * scores: this thread's attention scratch of at least max(lens) floats. */
-static void layer(const LayerWeights *W, const StepInputs *S, float *k_cache, float *v_cache, float *x,
+ * scores: this thread's attention scratch of at least max(lens) + head_dim floats. */
+static void layer(const LayerWeights *W, const StepInputs *S, void *k_cache, void *v_cache, float *x,
                   float *scores) {
     const int64_t m = S->m, dim = W->dim, d = W->d, nq = W->hq * d, nkv = W->hkv * d, ffn = W->ffn;
 #pragma omp single
@@ -136,13 +160,13 @@ static void layer(const LayerWeights *W, const StepInputs *S, float *k_cache, fl
     for (int64_t j = 0; j < nq + 2 * nkv; j++) {
         const void *w = W->wq;
         const float *b = W->bq;
-        int type = W->types[TQ];
+        int which = TQ;
         float *out = S->q;
         int64_t jj = j, width = nq;
-        if (j >= nq + nkv) { w = W->wv; b = W->bv; type = W->types[TV]; out = S->v; jj = j - nq - nkv; width = nkv; }
-        else if (j >= nq) { w = W->wk; b = W->bk; type = W->types[TK]; out = S->k; jj = j - nq; width = nkv; }
+        if (j >= nq + nkv) { w = W->wv; b = W->bv; which = TV; out = S->v; jj = j - nq - nkv; width = nkv; }
+        else if (j >= nq) { w = W->wk; b = W->bk; which = TK; out = S->k; jj = j - nq; width = nkv; }
         for (int64_t i = 0; i < m; i++) out[i * width + jj] = b ? b[jj] : 0.f;
-        rows_dot_add(w, type, jj, dim, S->h, m, out + jj, width);
+        rows_dot_add(w, W->types[which], W->scales[which], jj, dim, S->h, m, out + jj, width);
     }
     /* RoPE on every query and key head; a rotated key head goes straight into the cache with its value head */
 #pragma omp for schedule(static)
@@ -155,16 +179,15 @@ static void layer(const LayerWeights *W, const StepInputs *S, float *k_cache, fl
             const int64_t off = (head - W->hq) * d;
             float *kr = S->k + i * nkv + off;
             rotate(kr, cos, sin, d / 2);
-            for (int64_t c = 0; c < d; c++) {
-                k_cache[S->slots[i] * nkv + off + c] = kr[c];
-                v_cache[S->slots[i] * nkv + off + c] = S->v[i * nkv + off + c];
-            }
+            cache_store(k_cache, S->cache_bf16, S->slots[i] * nkv + off, kr, d);
+            cache_store(v_cache, S->cache_bf16, S->slots[i] * nkv + off, S->v + i * nkv + off, d);
         }
     }
 #pragma omp for schedule(static)
-    for (int64_t p = 0; p < m * W->hq; p++) attend(W, S, k_cache, v_cache, p / W->hq, p % W->hq, scores);
+    for (int64_t p = 0; p < m * W->hq; p++)
+        attend(W, S, k_cache, v_cache, p / W->hq, p % W->hq, scores + d, scores);
 #pragma omp for schedule(dynamic, ROWS_PER_CHUNK)
-    for (int64_t j = 0; j < dim; j++) rows_dot_add(W->wo, W->types[TO], j, nq, S->att, m, x + j, dim);
+    for (int64_t j = 0; j < dim; j++) rows_dot_add(W->wo, W->types[TO], W->scales[TO], j, nq, S->att, m, x + j, dim);
 #pragma omp single
     rms_norm_rows(x, W->ln2, S->h, m, dim, W->eps);
 #pragma omp for schedule(dynamic, ROWS_PER_CHUNK)
@@ -172,12 +195,12 @@ static void layer(const LayerWeights *W, const StepInputs *S, float *k_cache, fl
         for (int64_t i0 = 0; i0 < m; i0 += TILE) {
             const int64_t n = m - i0 < TILE ? m - i0 : TILE;
             float gate[TILE], up[TILE];
-            rows_dot(W->wg, W->types[TG], j, dim, S->h + i0 * dim, dim, n, gate, 1);
-            rows_dot(W->wu, W->types[TU], j, dim, S->h + i0 * dim, dim, n, up, 1);
+            rows_dot(W->wg, W->types[TG], W->scales[TG], j, dim, S->h + i0 * dim, dim, n, gate, 1);
+            rows_dot(W->wu, W->types[TU], W->scales[TU], j, dim, S->h + i0 * dim, dim, n, up, 1);
             for (int64_t i = 0; i < n; i++) S->act[(i0 + i) * ffn + j] = gate[i] / (1.f + expf(-gate[i])) * up[i];
         }
 #pragma omp for schedule(dynamic, ROWS_PER_CHUNK)
-    for (int64_t j = 0; j < dim; j++) rows_dot_add(W->wd, W->types[TD], j, ffn, S->act, m, x + j, dim);
+    for (int64_t j = 0; j < dim; j++) rows_dot_add(W->wd, W->types[TD], W->scales[TD], j, ffn, S->act, m, x + j, dim);
 }
 
 static int64_t longest_context(const StepInputs *S) {
@@ -206,12 +229,13 @@ static float *scratch(int64_t n, int *failed) {
 }
 
 /* A whole decode step: the embedding lookup into x (M, dim), every layer (caches k_caches[l], v_caches[l]), the final
- * RMSNorm (norm, eps) and the LM head (vocab, dim; fp32 or GGUF blocks of head_type) into logits (M, vocab), in one
+ * RMSNorm (norm, eps) and the LM head (vocab, dim; fp32 or blocks of head_type, head_scales for int8 rows, else
+ * NULL) into logits (M, vocab), in one
  * parallel region, so the threads never leave it between layers. x ends as the last hidden state. 0; -1 when the attention scratch cannot be
  * allocated; -2 when a token id or a position is outside the embedding or the RoPE tables (nothing is written). */
-int decode_step_f32(const LayerWeights *layers, int64_t n_layers, const StepInputs *S, float *const *k_caches,
-                    float *const *v_caches, float *x, const float *norm, float eps, const void *head, int head_type,
-                    int64_t vocab, float *logits, int threads) {
+int decode_step_f32(const LayerWeights *layers, int64_t n_layers, const StepInputs *S, void *const *k_caches,
+                    void *const *v_caches, float *x, const float *norm, float eps, const void *head, int head_type,
+                    const float *head_scales, int64_t vocab, float *logits, int threads) {
     const int64_t longest = longest_context(S), m = S->m, dim = layers[0].dim;
     for (int64_t i = 0; i < m; i++)
         if (S->tokens[i] < 0 || S->tokens[i] >= S->vocab || S->positions[i] < 0 || S->positions[i] >= S->n_positions)
@@ -219,16 +243,19 @@ int decode_step_f32(const LayerWeights *layers, int64_t n_layers, const StepInpu
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *scores = scratch(longest, &failed);
+        float *scores = scratch(longest + layers[0].d, &failed);
         if (scores) {
 #pragma omp for schedule(static)
-            for (int64_t i = 0; i < m; i++) memcpy(x + i * dim, S->embed + S->tokens[i] * dim, dim * sizeof *x);
+            for (int64_t i = 0; i < m; i++)
+                for (int64_t c = 0; c < dim; c++)
+                    x[i * dim + c] = S->embed_bf16 ? bf16_at(S->embed, S->tokens[i] * dim + c)
+                                                   : f32_at(S->embed, S->tokens[i] * dim + c);
             for (int64_t l = 0; l < n_layers; l++) layer(&layers[l], S, k_caches[l], v_caches[l], x, scores);
 #pragma omp single
             rms_norm_rows(x, norm, S->h, m, dim, eps);
 #pragma omp for schedule(static)
             for (int64_t j = 0; j < vocab; j++)
-                rows_dot(head, head_type, j, dim, S->h, dim, m, logits + j, vocab);
+                rows_dot(head, head_type, head_scales, j, dim, S->h, dim, m, logits + j, vocab);
         }
         free(scores);
     }
@@ -251,9 +278,10 @@ static int64_t argmax_row(const float *v, int64_t n) {
  * hold the last step's. The caller's block tables must already cover every position up to positions[i] +
  * n_steps - 1; a position past a table's width returns -2 before anything is computed, and the per-step checks of
  * decode_step_f32 apply (-1, -2). */
-int decode_steps_f32(const LayerWeights *layers, int64_t n_layers, const StepInputs *S, float *const *k_caches,
-                     float *const *v_caches, float *x, const float *norm, float eps, const void *head, int head_type,
-                     int64_t vocab, float *logits, int64_t n_steps, int64_t *out_tokens, int threads) {
+int decode_steps_f32(const LayerWeights *layers, int64_t n_layers, const StepInputs *S, void *const *k_caches,
+                     void *const *v_caches, float *x, const float *norm, float eps, const void *head, int head_type,
+                     const float *head_scales, int64_t vocab, float *logits, int64_t n_steps, int64_t *out_tokens,
+                     int threads) {
     const int64_t m = S->m, bs = S->block_size;
     for (int64_t i = 0; i < m; i++)
         if (S->positions[i] < 0 || (S->positions[i] + n_steps - 1) / bs >= S->max_blocks) return -2;
@@ -272,8 +300,8 @@ int decode_steps_f32(const LayerWeights *layers, int64_t n_layers, const StepInp
     step.tokens = ids, step.positions = ids + m, step.slots = ids + 2 * m, step.lens = lens;
     int status = 0;
     for (int64_t s = 0; s < n_steps && !status; s++) {
-        status = decode_step_f32(layers, n_layers, &step, k_caches, v_caches, x, norm, eps, head, head_type, vocab,
-                                 logits, threads);
+        status = decode_step_f32(layers, n_layers, &step, k_caches, v_caches, x, norm, eps, head, head_type,
+                                 head_scales, vocab, logits, threads);
         for (int64_t i = 0; i < m && !status; i++) {
             const int64_t token = argmax_row(logits + i * vocab, vocab), pos = ids[m + i] + 1;
             out_tokens[i * n_steps + s] = token;

@@ -7,7 +7,12 @@
  *   Q4_1 (20 bytes): d, m, uint8 qs[16]      w[t] = d * (qs[t] & 15) + m,    w[t + 16] = d * (qs[t] >> 4) + m
  *
  * Every format is w = d * q + m for one (d, m) per block (Q4_0: q = nibble, m = -8d; Q8_0: m = 0): dequant_block
- * writes the block's 32 fp32 weights, which the callers multiply while they are still in registers/L1. */
+ * writes the block's 32 fp32 weights, which the callers multiply while they are still in registers/L1.
+ *
+ * Two unscaled layouts are read as blocks of 32 too, so the same register tile serves them:
+ *   BF16 (64 bytes, GGML's id): uint16 w[32], each the top half of a fp32 (widened by one shift)
+ *   I8   (32 bytes, ours):      int8 q[32]      w[t] = q[t]; the row's scale multiplies the finished product
+ *                               (services/text/quantize.py's per-output-channel int8 rows) */
 #ifndef GENSERVE_QUANT_H
 #define GENSERVE_QUANT_H
 
@@ -20,7 +25,7 @@
 
 #define QK 32 /* weights per block, in every format here */
 
-enum { QTYPE_F32 = 0, QTYPE_Q4_0 = 2, QTYPE_Q4_1 = 3, QTYPE_Q8_0 = 8 };
+enum { QTYPE_F32 = 0, QTYPE_Q4_0 = 2, QTYPE_Q4_1 = 3, QTYPE_Q8_0 = 8, QTYPE_BF16 = 30, QTYPE_I8 = 1024 };
 
 /* Bytes per block of a quantised type; 0 for a type this file does not read. */
 static inline int64_t qblock_bytes(int type) {
@@ -28,6 +33,8 @@ static inline int64_t qblock_bytes(int type) {
     case QTYPE_Q4_0: return 18;
     case QTYPE_Q4_1: return 20;
     case QTYPE_Q8_0: return 34;
+    case QTYPE_BF16: return 64;
+    case QTYPE_I8: return 32;
     default: return 0;
     }
 }
@@ -70,6 +77,19 @@ static inline void dequant_block(int type, const uint8_t *b, float *restrict w) 
         memcpy(w, b, QK * sizeof(float));
         return;
     }
+    if (type == QTYPE_BF16) {
+        const uint16_t *h = (const uint16_t *)b;
+        for (int t = 0; t < QK; t++) {
+            const uint32_t u = (uint32_t)h[t] << 16;
+            memcpy(w + t, &u, sizeof u);
+        }
+        return;
+    }
+    if (type == QTYPE_I8) {
+#pragma omp simd
+        for (int t = 0; t < QK; t++) w[t] = (float)((const int8_t *)b)[t];
+        return;
+    }
     const float d = half_at(b);
     if (type == QTYPE_Q8_0) {
         const int8_t *q = (const int8_t *)(b + 2);
@@ -101,6 +121,8 @@ typedef __m512 qvec;
 /* 16 bytes -> 16 floats; a __m128i of 16 int8 (sign) or uint8 */
 #define qv_u8(v) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v))
 #define qv_i8(v) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v))
+/* 16 bf16 at p -> 16 floats */
+#define qv_bf16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #elif defined(__AVX2__) && defined(__FMA__)
 #define QROWS 4
 #define QLANES 8
@@ -117,6 +139,8 @@ static inline float qv_sum(__m256 v) {
 /* the low 8 bytes of a __m128i -> 8 floats */
 #define qv_u8(v) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))
 #define qv_i8(v) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))
+/* 8 bf16 at p -> 8 floats */
+#define qv_bf16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #else
 #define QROWS 8
 #endif
@@ -128,6 +152,16 @@ static inline float qv_sum(__m256 v) {
 static inline __attribute__((always_inline)) void block_vectors(int type, const uint8_t *b, qvec *w) {
     if (type == QTYPE_F32) {
         for (int v = 0; v < QV; v++) w[v] = qv_load((const float *)b + v * QLANES);
+        return;
+    }
+    if (type == QTYPE_BF16) {
+        for (int v = 0; v < QV; v++) w[v] = qv_bf16((const uint16_t *)b + v * QLANES);
+        return;
+    }
+    if (type == QTYPE_I8) {
+        for (int v = 0; v < QV; v++)
+            w[v] = qv_i8(QLANES == 16 ? _mm_loadu_si128((const __m128i *)(b + v * QLANES))
+                                      : _mm_loadl_epi64((const __m128i *)(b + v * QLANES)));
         return;
     }
     const qvec d = qv_set1(half_at(b));

@@ -1,14 +1,16 @@
 """The CPU model runner: prefill and mixed steps through ``LlamaForCausalLM.forward_paged`` (torch ops and the
-per-op C kernels behind the backend), decode-only steps of fp32 models through one fused C call per step
+per-op C kernels behind the backend), decode-only steps through one fused C call per step
 (``kernels.cpu_decode_step``), and greedy lookahead: several decode steps per call, the argmax fed back in C. The
-projections and the LM head may keep a GGUF checkpoint's Q8_0/Q4_0/Q4_1 blocks (``QuantLinear``): the fused step then
-dequantises them inside its products.
+projections and the LM head may be fp32 or bf16, keep a GGUF checkpoint's Q8_0/Q4_0/Q4_1 blocks (``QuantLinear``) or
+be int8 rows (``Int8Linear``): the fused step widens them inside its products.
 
 A decode step reads every weight once; op by op in PyTorch, the small tensor ops around the matrix-vector products
-cost about as much again as the products themselves, hence the fused step. It applies to fp32 Llama-family models
-with SwiGLU FFNs and rotate-half RoPE; anything else (int8 or bf16 weights, gated attention, the parallel block, MoE,
-interleaved RoPE, a biased LM head, or no C compiler) keeps ``forward_paged``. The runner first moves the weights
-into huge pages (runners/huge_pages.py).
+cost about as much again as the products themselves, hence the fused step. It applies to fp32, bf16 and int8
+Llama-family models with SwiGLU FFNs and rotate-half RoPE; anything else (fp16, gated attention, the parallel block,
+MoE, interleaved RoPE, a biased LM head, or no C compiler) keeps ``forward_paged``. For fp32 models it computes what
+``forward_paged`` does; for bf16 and int8 ones it keeps fp32 activations where the torch path rounds them to bf16
+(closer to the fp32 model, not bit-equal to the torch path). The runner first moves the weights into huge pages
+(runners/huge_pages.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from services.text.engine.params import TokenLogprob
 from services.text.engine.sampler import SampleRow, sample_batch
 from services.text.model import LlamaForCausalLM
 from services.text.paged import PagedBatch
+from services.text.quantize import Int8Linear
 from services.text.runners.huge_pages import move_to_huge_pages
 from shared.blocks.ffn import SwiGLU
 from shared.blocks.quant_linear import QuantLinear
@@ -32,21 +35,24 @@ FUSED_MAX_TOKENS = 16
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 
 
-def _weight(linear: nn.Module) -> torch.Tensor | cpu_decode_step.QuantWeight:
+def _weight(linear: nn.Module) -> cpu_decode_step.Matrix | None:
+    """The matrix of a linear layer as the fused kernel takes it; None for a layer it does not read."""
     if isinstance(linear, QuantLinear):
         return cpu_decode_step.QuantWeight(linear.blocks, linear.qtype)
-    return linear.weight.detach()
+    if isinstance(linear, Int8Linear):
+        return cpu_decode_step.Int8Rows(linear.weight, linear.scales)
+    return linear.weight.detach() if isinstance(linear, nn.Linear) else None
 
 
 def _fused_matrix(linear: nn.Module) -> bool:
-    """A product the fused kernel reads: an fp32 nn.Linear or a GGUF-quantised QuantLinear, on the CPU."""
-    if isinstance(linear, QuantLinear):
-        return linear.blocks.device.type == "cpu"
-    return isinstance(linear, nn.Linear) and linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu"
+    """A product the fused kernel reads (cpu_decode_step.fused_matrix_ok)."""
+    w = _weight(linear)
+    return w is not None and cpu_decode_step.fused_matrix_ok(w)
 
 
-def _bias(linear: nn.Module) -> torch.Tensor | None:
-    return None if linear.bias is None else linear.bias.detach()
+def _fp32(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A norm gain or a bias in fp32, as the kernel reads them (the tensor itself for an fp32 model)."""
+    return None if t is None else t.detach().float()
 
 
 class FusedDecodeStep:
@@ -60,27 +66,29 @@ class FusedDecodeStep:
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             layers.append(cpu_decode_step.LayerWeights(
-                ln1=layer.input_layernorm.weight.detach(), ln2=layer.post_attention_layernorm.weight.detach(),
+                ln1=_fp32(layer.input_layernorm.weight), ln2=_fp32(layer.post_attention_layernorm.weight),
                 wq=_weight(attn.q_proj), wk=_weight(attn.k_proj), wv=_weight(attn.v_proj), wo=_weight(attn.o_proj),
-                bq=_bias(attn.q_proj), bk=_bias(attn.k_proj), bv=_bias(attn.v_proj),
+                bq=_fp32(attn.q_proj.bias), bk=_fp32(attn.k_proj.bias), bv=_fp32(attn.v_proj.bias),
                 wg=_weight(mlp.gate_proj), wu=_weight(mlp.up_proj), wd=_weight(mlp.down_proj),
                 n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, eps=cfg.norm_eps,
                 scale=attn.sm_scale, window=cfg.sliding_window))
         self.kernel = cpu_decode_step.StepKernel(
-            layers, embed=model.model.embed_tokens.weight.detach(), norm=model.model.norm.weight.detach(),
+            layers, embed=model.model.embed_tokens.weight.detach(), norm=_fp32(model.model.norm.weight),
             eps=model.model.norm.eps, head=_weight(model.lm_head), n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
             head_dim=cfg.head_dim, ffn=cfg.ffn_hidden)
+        self.cos, self.sin = (t.float().contiguous() for t in model.rope.tables())  # bf16 in a bf16 model
 
     @staticmethod
     def applies(model: nn.Module) -> bool:
-        """True when the fused kernel computes exactly what ``forward_paged`` does for this model (checked before
-        the kernels are built, so a model it cannot run never compiles them)."""
+        """True when the fused kernel runs this model's decode step (checked before the kernels are built, so a model
+        it cannot run never compiles them)."""
         if not isinstance(model, LlamaForCausalLM):
             return False
         cfg, head = model.config, model.lm_head
         if cfg.gated_attention or cfg.parallel_block or cfg.n_experts:
             return False
-        if not _fused_matrix(head) or head.bias is not None or model.model.embed_tokens.weight.dtype != torch.float32:
+        if not _fused_matrix(head) or head.bias is not None or \
+                model.model.embed_tokens.weight.dtype not in (torch.float32, torch.bfloat16):
             return False
         for layer in model.model.layers:
             attn = layer.self_attn
@@ -96,9 +104,8 @@ class FusedDecodeStep:
         """Next-token logits (S, V) for a batch of decode tokens only (``batch.prefills`` empty)."""
         if batch.prefills:
             raise ValueError("the fused decode step runs decode-only batches; prefill chunks go through forward_paged")
-        cos, sin = self.model.rope.tables()
         logits = self.kernel.run(batch.input_ids, batch.positions, batch.slots, batch.decode_tables, batch.decode_lens,
-                                 cos, sin, k_caches, v_caches)  # (M, V): every decode token samples
+                                 self.cos, self.sin, k_caches, v_caches)  # (M, V): every decode token samples
         return logits if logits.shape[0] == batch.logits_index.numel() else logits[batch.logits_index]
 
     def greedy(self, batch: PagedBatch, steps: int, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
@@ -108,9 +115,8 @@ class FusedDecodeStep:
         from each token's."""
         if batch.prefills:
             raise ValueError("the fused decode step runs decode-only batches; prefill chunks go through forward_paged")
-        cos, sin = self.model.rope.tables()
         return self.kernel.greedy(steps, batch.input_ids, batch.positions, batch.slots, batch.decode_tables,
-                                  batch.decode_lens, cos, sin, k_caches, v_caches).tolist()
+                                  batch.decode_lens, self.cos, self.sin, k_caches, v_caches).tolist()
 
 
 def _memory_available() -> int:
