@@ -235,8 +235,9 @@ static inline __attribute__((always_inline)) void qdot_tile(int type, const uint
     case r: qdot_tile(type, wr, xi, xstride, r, k, oi, ostride); break;
 
 /* qdot_tile for any number of rows, QROWS at a time, each tile with its count of rows known at compile time. */
-static inline void qdot_rows(int type, const uint8_t *wr, const float *x, int64_t xstride, int64_t m, int64_t k,
-                             float *out, int64_t ostride) {
+static inline __attribute__((always_inline)) void qdot_rows_of(int type, const uint8_t *wr, const float *x,
+                                                              int64_t xstride, int64_t m, int64_t k, float *out,
+                                                              int64_t ostride) {
     for (int64_t i0 = 0; i0 < m; i0 += QROWS) {
         const float *xi = x + i0 * xstride;
         float *oi = out + i0 * ostride;
@@ -254,6 +255,23 @@ static inline void qdot_rows(int type, const uint8_t *wr, const float *x, int64_
             default: qdot_tile(type, wr, xi, xstride, 4, k, oi, ostride); break;
 #endif
         }
+    }
+}
+
+#define QROWS_CASE(t) \
+    case t: qdot_rows_of(t, wr, x, xstride, m, k, out, ostride); break;
+
+/* qdot_rows_of with the type known at compile time too, so that no block pays for the choice of layout. */
+static inline void qdot_rows(int type, const uint8_t *wr, const float *x, int64_t xstride, int64_t m, int64_t k,
+                             float *out, int64_t ostride) {
+    switch (type) {
+        QROWS_CASE(QTYPE_F32)
+        QROWS_CASE(QTYPE_Q4_0)
+        QROWS_CASE(QTYPE_Q4_1)
+        QROWS_CASE(QTYPE_Q8_0)
+        QROWS_CASE(QTYPE_BF16)
+        QROWS_CASE(QTYPE_I8)
+        default: break;
     }
 }
 
