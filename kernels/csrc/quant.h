@@ -193,6 +193,13 @@ static inline __attribute__((always_inline)) void block_vectors(int type, const 
 }
 #endif
 
+/* How far ahead of the block being read the products ask for the weight stream, in bytes. The hardware prefetchers
+ * stop at every 4 KiB page and restart on each 64-row chunk a thread takes, and a GGUF row is only a few hundred
+ * bytes: without this hint the loads wait on memory. Measured on a 2-core Xeon, one row of x against 256 MiB of
+ * weights, two threads: Q4_1 5.7 -> 12.3 GB/s, Q8_0 10.1 -> 16.1, bf16 17.5 -> 21, fp32 23 -> 26 (512-4096 bytes
+ * all help; 2048 is the best for the mix). A prefetch past the end of the weights is a hint, never a fault. */
+#define QPREFETCH 2048
+
 /* out[i * ostride] = x_i . w_row for the m (1..QROWS) rows x_i = x + i * xstride, the weight row `wr` being k / QK
  * blocks of `type`. Inlined with a constant m, so that the partial sums of every row stay in registers. */
 static inline __attribute__((always_inline)) void qdot_tile(int type, const uint8_t *restrict wr,
@@ -204,6 +211,7 @@ static inline __attribute__((always_inline)) void qdot_tile(int type, const uint
     for (int i = 0; i < m; i++) acc[i][0] = acc[i][1] = qv_zero();
     for (int64_t b = 0; b < nb; b++) {
         qvec w[QV];
+        __builtin_prefetch(wr + b * bytes + QPREFETCH, 0, 3);
         block_vectors(type, wr + b * bytes, w);
         for (int i = 0; i < m; i++) {
             const float *xb = x + i * xstride + b * QK;
@@ -215,6 +223,7 @@ static inline __attribute__((always_inline)) void qdot_tile(int type, const uint
     float part[QROWS][QK] = {{0.f}};
     for (int64_t b = 0; b < nb; b++) {
         float w[QK];
+        __builtin_prefetch(wr + b * bytes + QPREFETCH, 0, 3);
         dequant_block(type, wr + b * bytes, w);
         for (int i = 0; i < m; i++) {
             const float *xb = x + i * xstride + b * QK;
