@@ -1,7 +1,9 @@
 """Serving overhead: p50/p99 latency of trivial RPCs through the Ray Serve gRPC proxy and of a 16-token text
 generation, next to a plain grpc.aio server answering the same trivial RPC in this process; then the same streamed
 chat over gRPC and over the OpenAI-compatible HTTP API (first token and whole answer), and 16 concurrent streamed
-chats over each protocol (tokens/s in total).
+chats over each protocol (tokens/s in total, sampled at `--stream-temperature`), next to llama.cpp answering the same
+chats one after another in this process when llama-cpp-python is installed and the stack serves the default GGUF
+model (issue 14's goal: the stack's 16 streams at >= 3x llama.cpp's one-at-a-time rate).
 
     .venv/bin/python bench/serving.py                  # starts its own stack on ports 9300-9301 (HTTP 8300)
     .venv/bin/python bench/serving.py --address 127.0.0.1:9000 --health-address 127.0.0.1:9001 \
@@ -225,41 +227,80 @@ def chat_rows(args: argparse.Namespace) -> list[tuple[str, np.ndarray, np.ndarra
             (f"chat stream, whole answer ({tokens} tokens)", grpc_ms[:, 1], http_ms[:, 1])]
 
 
-async def grpc_concurrent(address: str, streams: int, max_tokens: int, tls: ClientTls | None) -> tuple[int, float]:
+async def grpc_concurrent(address: str, streams: int, max_tokens: int, temperature: float,
+                          tls: ClientTls | None) -> tuple[int, float]:
     async with AsyncClient(address, timeout=300, tls=tls) as client:
-        async def one() -> int:
+        async def one(seed: int) -> int:
             return sum([len(c.token_ids) async for c in client.generate_stream(
-                messages=CHAT, max_tokens=max_tokens, temperature=0)])
+                messages=CHAT, max_tokens=max_tokens, temperature=temperature, seed=seed)])
 
         start = time.perf_counter()
-        tokens = await asyncio.gather(*(one() for _ in range(streams)))
+        tokens = await asyncio.gather(*(one(i) for i in range(streams)))
         return sum(tokens), time.perf_counter() - start
 
 
-async def http_concurrent(url: str, streams: int, max_tokens: int, verify: ssl.SSLContext | bool) -> tuple[int, float]:
+async def http_concurrent(url: str, streams: int, max_tokens: int, temperature: float,
+                          verify: ssl.SSLContext | bool) -> tuple[int, float]:
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=streams),
                                  verify=verify) as http:
-        async def one() -> int:
+        async def one(seed: int) -> int:
             tokens = 0
-            async with http.stream("POST", "/chat/completions", json=chat_body(max_tokens)) as response:
+            body = {**chat_body(max_tokens), "temperature": temperature, "seed": seed}
+            async with http.stream("POST", "/chat/completions", json=body) as response:
                 async for line in response.aiter_lines():
                     tokens = sse_tokens(line) or tokens
             return tokens
 
         start = time.perf_counter()
-        tokens = await asyncio.gather(*(one() for _ in range(streams)))
+        tokens = await asyncio.gather(*(one(i) for i in range(streams)))
         return sum(tokens), time.perf_counter() - start
 
 
+def llama_cpp_serial(args: argparse.Namespace) -> tuple[str, float, float] | None:
+    """llama.cpp on the default model's GGUF file answering the same chats one after another in this process
+    (llama.cpp decodes one sequence at a time), or None with a printed reason."""
+    try:
+        import llama_cpp
+    except ImportError:
+        print("llama.cpp row: skipped (llama-cpp-python is not installed; `pip install llama-cpp-python` builds it)")
+        return None
+    from services.text import default_model
+
+    path = default_model.cached()
+    with Client(args.address, timeout=60, tls=args.tls) as client:
+        served = client.model_info().model_name
+    if path is None or served != path.stem:
+        print(f"llama.cpp row: skipped (the stack serves {served!r}, not the default GGUF file)")
+        return None
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=1024, n_threads=args.llama_threads,
+                          n_threads_batch=args.llama_threads, verbose=False)
+
+    def serial() -> tuple[int, float]:
+        start, tokens = time.perf_counter(), 0
+        for seed in range(args.streams):
+            reply = llm.create_chat_completion(messages=CHAT, max_tokens=args.stream_tokens,
+                                               temperature=args.stream_temperature, seed=seed)
+            tokens += reply["usage"]["completion_tokens"]
+        return tokens, time.perf_counter() - start
+
+    serial()  # warm-up
+    best = max((serial() for _ in range(args.rounds)), key=lambda r: r[0] / r[1])
+    return f"llama.cpp {path.name}, one after another ({args.llama_threads} threads)", best[0] / best[1], best[1]
+
+
 def concurrent_rows(args: argparse.Namespace) -> list[tuple[str, float, float]]:
-    """(protocol, tokens/s in total, seconds) of `--streams` concurrent streamed chats, best of `--rounds`."""
+    """(protocol, tokens/s in total, seconds) of `--streams` concurrent streamed chats, best of `--rounds`; then
+    llama.cpp's row where it runs."""
     rows = []
-    for name, run in (("gRPC", lambda: grpc_concurrent(args.address, args.streams, args.stream_tokens, args.tls)),
-                      ("HTTP", lambda: http_concurrent(args.http_url, args.streams, args.stream_tokens, args.verify))):
+    for name, run in (("gRPC", lambda: grpc_concurrent(args.address, args.streams, args.stream_tokens,
+                                                       args.stream_temperature, args.tls)),
+                      ("HTTP", lambda: http_concurrent(args.http_url, args.streams, args.stream_tokens,
+                                                       args.stream_temperature, args.verify))):
         asyncio.run(run())  # warm-up
         best = max((asyncio.run(run()) for _ in range(args.rounds)), key=lambda r: r[0] / r[1])
         rows.append((name, best[0] / best[1], best[1]))
-    return rows
+    llama = llama_cpp_serial(args)
+    return rows + ([llama] if llama else [])
 
 
 def engine_in_process(n: int) -> tuple[str, np.ndarray, str]:
@@ -297,10 +338,10 @@ def chat_table(rows: list[tuple[str, np.ndarray, np.ndarray]]) -> str:
     return "\n".join(lines)
 
 
-def concurrency_table(rows: list[tuple[str, float, float]], streams: int, tokens: int) -> str:
+def concurrency_table(rows: list[tuple[str, float, float]], streams: int, tokens: int, temperature: float) -> str:
     base = rows[0][1]
-    lines = [f"| {streams} concurrent streamed chats, {tokens} tokens each | tok/s in total | seconds | / gRPC |",
-             "|---|---|---|---|"]
+    lines = [f"| {streams} concurrent streamed chats, at most {tokens} tokens each, temperature {temperature} | "
+             "tok/s in total | seconds | / gRPC |", "|---|---|---|---|"]
     lines += [f"| {name} | {rate:.0f} | {seconds:.2f} | {rate / base:.2f}x |" for name, rate, seconds in rows]
     return "\n".join(lines)
 
@@ -374,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chat-tokens", type=int, default=16, help="max_tokens of the sequential streamed chats")
     parser.add_argument("--streams", type=int, default=16, help="concurrent streamed chats per protocol")
     parser.add_argument("--stream-tokens", type=int, default=64, help="max_tokens of each concurrent chat")
+    parser.add_argument("--stream-temperature", type=float, default=0.7,
+                        help="temperature of the concurrent chats (each with its own seed)")
+    parser.add_argument("--llama-threads", type=int, default=2, help="threads of the llama.cpp row")
     parser.add_argument("--rounds", type=int, default=3, help="concurrent rounds per protocol (the best is shown)")
     parser.add_argument("--batching", action="store_true", help="only the image apps' batching table")
     parser.add_argument("--images", type=int, default=32, help="N of the batching table's GAN and VAE rows")
@@ -410,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(chat_table(chats))
     print()
-    print(concurrency_table(concurrent, args.streams, args.stream_tokens))
+    print(concurrency_table(concurrent, args.streams, args.stream_tokens, args.stream_temperature))
     return 0
 
 
