@@ -184,7 +184,9 @@ def test_requests_of_different_image_sizes_never_share_a_call(tmp_path: Path) ->
         batcher.close()
     assert sorted(shapes) == sorted([(4, 4, 8, 8), (2, 4, 8, 12)] * 3)
     for request, got in zip(requests, results, strict=True):
-        torch.testing.assert_close(got, sd.generate(**common, **request), atol=1e-4, rtol=0)
+        # A U-Net call of another batch size may sum in another order (MKL's AVX-512 GEMMs: 1.01e-4 seen on a
+        # Xeon), far inside the images' bound of 1/255 per pixel.
+        torch.testing.assert_close(got, sd.generate(**common, **request), atol=1e-3, rtol=0)
 
 
 def test_a_request_over_the_row_budget_is_refused(pipe: DiffusionPipeline) -> None:
