@@ -19,6 +19,7 @@ and the diffusion loop stops at its next step. Errors are OpenAI error objects (
 # No `from __future__ import annotations` here: FastAPI reads the routes' parameter types at runtime (through
 # serve.ingress), and string annotations would turn the bodies into query parameters.
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -45,7 +46,7 @@ from services.diffusion.app import Diffusion
 from services.http import images, text
 from services.http.errors import ModelNotFound, describe, error_body, error_response, refusal, to_error
 from services.http.schemas import MAX_BODY_BYTES, ChatBody, CompletionBody, ImageBody
-from services.http.streams import merge
+from services.http.streams import batches, merge
 from services.text.app import TextGeneration
 
 logger = logging.getLogger("ray.serve")
@@ -285,16 +286,21 @@ class OpenAIApi:
         if include_usage:  # counted while the rest is generated, not beside the prefill
             counted = asyncio.ensure_future(self._prompt_tokens(job))
 
+        async def write(items: list[tuple[int, text_pb2.TextChunk]]) -> bytes:
+            events = []
+            for index, chunk in items:
+                ticket.charge(chunk)
+                events.append(text.sse(writer.chunk(index, chunk, await self._token_texts(job, list(chunk.logprobs)))))
+            return b"".join(events)
+
         async def events() -> AsyncIterator[bytes]:
+            # Chunks that arrived together leave as one body message: each message is one item on Ray's stream to
+            # the HTTP proxy, and under many streams those items, not the tokens, are what the proxy pays for.
             try:
-                for role in writer.roles():
-                    yield text.sse(role)
-                item: tuple[int, text_pb2.TextChunk] | None = first
-                while item is not None:
-                    index, chunk = item
-                    ticket.charge(chunk)
-                    yield text.sse(writer.chunk(index, chunk, await self._token_texts(job, list(chunk.logprobs))))
-                    item = await anext(chunks, None)
+                yield b"".join(map(text.sse, writer.roles())) + await write([first])
+                async with contextlib.aclosing(batches(chunks)) as arrivals:  # its reader stops before aclose below
+                    async for items in arrivals:
+                        yield await write(items)
                 if counted is not None:
                     yield text.sse(writer.usage_chunk(await counted))
                 yield text.sse("[DONE]")

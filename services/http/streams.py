@@ -1,4 +1,5 @@
-"""Merging the streams of a request's choices into one, in arrival order."""
+"""Merging the streams of a request's choices into one, in arrival order, and reading a stream in batches of what
+has already arrived."""
 
 from __future__ import annotations
 
@@ -45,3 +46,38 @@ async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+async def batches(items: AsyncIterator[T]) -> AsyncIterator[list[T]]:
+    """The items of ``items`` in lists: each holds the next item and every item that arrived while the consumer was
+    busy, so a slow writer sends one message per wake-up instead of one per item, and never waits for more. An error
+    in ``items`` is raised after the items before it; closing this generator stops the reader."""
+    queue: asyncio.Queue[tuple[object, BaseException | None]] = asyncio.Queue()
+
+    async def pump() -> None:
+        try:
+            async for item in items:
+                queue.put_nowait((item, None))
+            queue.put_nowait((_END, None))
+        except Exception as exc:
+            queue.put_nowait((_END, exc))
+
+    task = asyncio.ensure_future(pump())
+    try:
+        while True:
+            batch, (item, error) = [], await queue.get()
+            while item is not _END:
+                batch.append(item)
+                if queue.empty():
+                    break
+                item, error = queue.get_nowait()
+            if batch:
+                yield batch
+            if item is _END:
+                if error is not None:
+                    raise error
+                return
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

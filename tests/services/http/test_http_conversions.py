@@ -20,7 +20,7 @@ from services.http import images, text
 from services.http.app import TEXT_ERRORS, BodyLimit, _field_loc
 from services.http.errors import describe, rename
 from services.http.schemas import ChatBody, CompletionBody, ImageBody
-from services.http.streams import merge
+from services.http.streams import batches, merge
 from services.text.engine import PromptTooLong
 
 CHAT = {"model": "text", "messages": [{"role": "user", "content": "hi"}]}
@@ -200,3 +200,28 @@ def test_merge_interleaves_and_forwards_errors() -> None:
     assert sorted(items) == [(0, 0), (0, 1), (0, 2), (1, 10), (1, 11), (1, 12)]
     with pytest.raises(ValueError, match="boom"):
         asyncio.run(collect([numbers(0), numbers(10, fail=True)]))
+
+
+def test_batches_hand_over_what_arrived_while_the_writer_was_busy_and_never_wait_for_more() -> None:
+    async def burst(fail: bool = False):
+        yield 1
+        await asyncio.sleep(0.05)  # the writer gets 1 alone: nothing else has arrived
+        for i in (2, 3, 4):  # these three arrive while the writer is busy
+            yield i
+        await asyncio.sleep(0.05)
+        yield 5
+        if fail:
+            raise ValueError("boom")
+
+    async def collect(fail: bool = False):
+        out = []
+        try:
+            async for group in batches(burst(fail)):
+                out.append(group)
+                await asyncio.sleep(0.02)  # a slow writer
+        except ValueError as exc:
+            out.append(str(exc))
+        return out
+
+    assert asyncio.run(collect()) == [[1], [2, 3, 4], [5]]
+    assert asyncio.run(collect(fail=True)) == [[1], [2, 3, 4], [5], "boom"]
