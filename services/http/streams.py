@@ -12,6 +12,24 @@ T = TypeVar("T")
 _END = object()
 
 
+async def _pump(key: int, stream: AsyncIterator[T], queue: asyncio.Queue[tuple[int, object]]) -> None:
+    """Puts (key, item) for each item of ``stream`` on ``queue``, then (key, _END), or (key, the error) if it fails."""
+    try:
+        async for item in stream:
+            queue.put_nowait((key, item))
+        queue.put_nowait((key, _END))
+    except Exception as exc:
+        queue.put_nowait((key, exc))
+
+
+async def _stop(tasks: list[asyncio.Future]) -> None:
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
     """(index of the stream, item) as items arrive; an error in any stream ends the merge with that error, and
     closing the merge stops every stream's reader."""
@@ -20,16 +38,7 @@ async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]
             yield 0, item
         return
     queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
-
-    async def pump(index: int, stream: AsyncIterator[T]) -> None:
-        try:
-            async for item in stream:
-                queue.put_nowait((index, item))
-            queue.put_nowait((index, _END))
-        except Exception as exc:
-            queue.put_nowait((index, exc))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    tasks = [asyncio.ensure_future(_pump(i, s, queue)) for i, s in enumerate(streams)]
     try:
         live = len(streams)
         while live:
@@ -41,43 +50,29 @@ async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]
             else:
                 yield index, item
     finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await _stop(tasks)
 
 
 async def batches(items: AsyncIterator[T]) -> AsyncIterator[list[T]]:
     """The items of ``items`` in lists: each holds the next item and every item that arrived while the consumer was
     busy, so a slow writer sends one message per wake-up instead of one per item, and never waits for more. An error
     in ``items`` is raised after the items before it; closing this generator stops the reader."""
-    queue: asyncio.Queue[tuple[object, BaseException | None]] = asyncio.Queue()
-
-    async def pump() -> None:
-        try:
-            async for item in items:
-                queue.put_nowait((item, None))
-            queue.put_nowait((_END, None))
-        except Exception as exc:
-            queue.put_nowait((_END, exc))
-
-    task = asyncio.ensure_future(pump())
+    queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+    tasks = [asyncio.ensure_future(_pump(0, items, queue))]
     try:
         while True:
-            batch, (item, error) = [], await queue.get()
-            while item is not _END:
+            batch: list[T] = []
+            _, item = await queue.get()
+            while item is not _END and not isinstance(item, Exception):
                 batch.append(item)
                 if queue.empty():
                     break
-                item, error = queue.get_nowait()
+                _, item = queue.get_nowait()
             if batch:
                 yield batch
+            if isinstance(item, Exception):
+                raise item
             if item is _END:
-                if error is not None:
-                    raise error
                 return
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await _stop(tasks)
