@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "element.h"
+
 #if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -78,11 +80,7 @@ static inline void dequant_block(int type, const uint8_t *b, float *restrict w) 
         return;
     }
     if (type == QTYPE_BF16) {
-        const uint16_t *h = (const uint16_t *)b;
-        for (int t = 0; t < QK; t++) {
-            const uint32_t u = (uint32_t)h[t] << 16;
-            memcpy(w + t, &u, sizeof u);
-        }
+        for (int t = 0; t < QK; t++) w[t] = bf16_at((const uint16_t *)b, t);
         return;
     }
     if (type == QTYPE_I8) {
