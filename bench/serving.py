@@ -259,11 +259,7 @@ async def http_concurrent(url: str, streams: int, max_tokens: int, temperature: 
 def llama_cpp_serial(args: argparse.Namespace) -> tuple[str, float, float] | None:
     """llama.cpp on the default model's GGUF file answering the same chats one after another in this process
     (llama.cpp decodes one sequence at a time), or None with a printed reason."""
-    try:
-        import llama_cpp
-    except ImportError:
-        print("llama.cpp row: skipped (llama-cpp-python is not installed; `pip install llama-cpp-python` builds it)")
-        return None
+    from bench.lm import llama_cpp_for
     from services.text import default_model
 
     path = default_model.cached()
@@ -272,8 +268,9 @@ def llama_cpp_serial(args: argparse.Namespace) -> tuple[str, float, float] | Non
     if path is None or served != path.stem:
         print(f"llama.cpp row: skipped (the stack serves {served!r}, not the default GGUF file)")
         return None
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=1024, n_threads=args.llama_threads,
-                          n_threads_batch=args.llama_threads, verbose=False)
+    llm = llama_cpp_for(path, args.llama_threads)
+    if llm is None:
+        return None
 
     def serial() -> tuple[int, float]:
         start, tokens = time.perf_counter(), 0
