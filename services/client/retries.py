@@ -9,8 +9,9 @@ have delivered part of its answer.
 
 They are retried after UNAVAILABLE (a draining server, a refused connection, an app with no replica yet), and after
 the INTERNAL with which Ray Serve's gRPC proxy reports a replica that died in the middle of the call ("The actor
-died unexpectedly ..."; the retry reaches another replica, or waits in the proxy for the restarted one). Any other
-INTERNAL is a server error and comes back at once.
+died unexpectedly ..." over Ray actor calls, "The actor ... is unavailable: Actor is unavailable." when the proxy
+reaches replicas over gRPC; the retry reaches another replica, or waits in the proxy for the restarted one). Any
+other INTERNAL is a server error and comes back at once.
 
 Why a loop in the SDK and not gRPC's service-config retry policy (gRFC A6): gRPC retries only a call that is not yet
 committed, and a call commits when response headers arrive. Ray Serve's proxy answers every call, failed ones
@@ -28,8 +29,8 @@ from typing import Any
 
 import grpc
 
-# What Ray puts in the details when the replica's actor died (RayActorError / ActorDiedError).
-REPLICA_DIED = ("actor died", "actordiederror", "actorunavailableerror")
+# What Ray puts in the details when the replica's actor died (RayActorError / ActorDiedError / ActorUnavailableError).
+REPLICA_DIED = ("actor died", "actordiederror", "actorunavailableerror", "actor is unavailable")
 
 
 def retryable(error: grpc.RpcError) -> bool:

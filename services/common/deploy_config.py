@@ -37,6 +37,21 @@ SERVICER_FUNCTIONS = [
     "genserve.v1.common_pb2_grpc.add_ServeStatusServicer_to_server",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
 ]
+# Ray Serve's request path, set in every Ray process before Ray starts (services/serve.py; deploy/Dockerfile for GPU
+# nodes): the proxy reaches replicas, and deployment handles reach each other, over gRPC instead of Ray actor calls,
+# and a replica runs its router and our handlers on its own event loop instead of one thread each. Ray documents
+# them as its throughput-optimised mode, less its direct ingress (a port per replica, not one gRPC port). With the
+# access log off (serve_config's logging_config), a trivial RPC through the proxy went from 8.6 to 4.3 ms on 2 cores
+# (docs/benchmarks.md, "Serve's per-request cost"). The replicas' gRPC messages may be as large as the proxy's
+# (Ray's default for them is gRPC's 4 MiB): a larger request must reach our validation, which names the field, and a
+# larger answer (many images) must reach the client, as they did over actor calls.
+SERVE_ENV = {
+    "RAY_SERVE_PROXY_USE_GRPC": "1",
+    "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(2**31 - 1),
+}
 # Ray's built-in resource of the head node: the health gateway must run where probes look (the head's pod).
 HEAD_NODE_RESOURCE = "node:__internal_head__"
 
@@ -179,7 +194,9 @@ def serve_config(
         # Reflection lets grpcurl and similar tools list and call the services without the .proto files.
         "grpc_options": {"port": grpc_port, "grpc_servicer_functions": list(SERVICER_FUNCTIONS),
                          "enable_reflection": True},
-        "logging_config": {"encoding": "TEXT", "log_level": "INFO"},
+        # Serve's access log writes a line per request from the proxy and the replica; our metrics count requests
+        # (docs/metrics.md), and errors are still logged with their request id.
+        "logging_config": {"encoding": "TEXT", "log_level": "INFO", "enable_access_log": False},
         "applications": [_app(spec, dirs.get(spec.name)) for spec in apps] + [_health_app(host, health_port)],
     }
 

@@ -17,6 +17,9 @@ from services.client.errors import Internal, Unavailable
 from services.client.retries import RetryPolicy, retryable
 
 DIED = "The actor died unexpectedly before finishing this task."
+# The same death when the proxy reaches replicas over gRPC (RAY_SERVE_PROXY_USE_GRPC, deploy_config.SERVE_ENV).
+UNAVAILABLE_ACTOR = ("The actor 4f71dc4561f488b0fc1e2a0f01000000 is unavailable: Actor is unavailable.. The task may "
+                     "or may not have been executed on the actor.")
 
 
 class Failure(grpc.RpcError):
@@ -35,6 +38,7 @@ class Failure(grpc.RpcError):
     [
         (grpc.StatusCode.UNAVAILABLE, "the server is draining", True),
         (grpc.StatusCode.INTERNAL, DIED, True),
+        (grpc.StatusCode.INTERNAL, UNAVAILABLE_ACTOR, True),
         (grpc.StatusCode.INTERNAL, "internal error (request id 1)", False),
         (grpc.StatusCode.INVALID_ARGUMENT, "seed: ...", False),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded", False),
