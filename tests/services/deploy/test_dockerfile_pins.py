@@ -1,4 +1,5 @@
-"""deploy/Dockerfile installs exactly what pyproject.toml pins, on a Python that pyproject accepts."""
+"""deploy/Dockerfile installs exactly what pyproject.toml pins, on a Python that pyproject accepts, and sets Serve's
+request path as `make serve` does."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+
+from services.common.deploy_config import SERVE_ENV
 
 DOCKERFILE = Path(__file__).resolve().parents[3] / "deploy" / "Dockerfile"
 
@@ -115,3 +118,11 @@ def test_project_is_installed_without_resolving_dependencies_again() -> None:
     installs = _pip_installs(DOCKERFILE.read_text())
     project = [tokens for tokens in installs if "." in tokens]
     assert project == [["--no-deps", "."]]
+
+
+def test_gpu_image_sets_the_serve_env_of_make_serve() -> None:
+    env: dict[str, str] = {}
+    for instruction in _instructions(DOCKERFILE.read_text()):
+        if instruction.startswith("ENV "):
+            env |= dict(re.findall(r"(\w+)=(\S+)", instruction))
+    assert {k: v for k, v in env.items() if k.startswith("RAY_SERVE_")} == SERVE_ENV

@@ -1,26 +1,12 @@
-"""Serve's request-path settings (deploy_config.SERVE_ENV) reach every stack: `make serve`'s Ray processes and the
-GPU image's; and the serve configs switch Serve's per-request access log off."""
+"""Serve's request-path settings (deploy_config.SERVE_ENV) reach `make serve`'s Ray processes (the GPU image's:
+test_dockerfile_pins.py), and the serve configs switch Serve's per-request access log off."""
 
 from __future__ import annotations
-
-import re
-from pathlib import Path
 
 import pytest
 
 from services import serve
 from services.common.deploy_config import SERVE_ENV, serve_config
-
-DOCKERFILE = Path(__file__).resolve().parents[3] / "deploy" / "Dockerfile"
-
-
-def _image_env() -> dict[str, str]:
-    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
-    env: dict[str, str] = {}
-    for line in text.splitlines():
-        if line.startswith("ENV "):
-            env |= dict(re.findall(r"(\w+)=(\S+)", line))
-    return env
 
 
 def test_serve_env_asks_for_grpc_between_ray_serve_components_and_no_extra_threads() -> None:
@@ -40,11 +26,6 @@ def test_replicas_take_gRPC_messages_as_large_as_the_proxy_does() -> None:
 
 def test_make_serve_sets_the_serve_env_before_ray_starts() -> None:
     assert SERVE_ENV.items() <= serve.RAY_ENV.items()
-
-
-def test_gpu_image_sets_the_same_serve_env() -> None:
-    image = _image_env()
-    assert {k: v for k, v in image.items() if k.startswith("RAY_SERVE_")} == SERVE_ENV
 
 
 @pytest.mark.parametrize("target", ["local", "gpu"])
