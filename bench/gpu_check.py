@@ -35,8 +35,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):
-    # Run as a file: its own folder would shadow the `kernels` package, so import from the repository root.
-    sys.path[0] = str(ROOT)
+    # Run as a file: `bench` and `tests` import from the repository root, appended so that its folders never shadow an
+    # installed distribution's top-level package (Hugging Face's `kernels`, which transformers imports).
+    sys.path.append(str(ROOT))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -104,7 +105,7 @@ def timed(fn: Callable[[], object], device: str) -> float:
 
 # ---- the GPU-only tests ------------------------------------------------------------------------------------------
 def gpu_tests() -> list[Row]:
-    done = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"],
+    done = subprocess.run([sys.executable, "-P", "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"],
                           cwd=ROOT, capture_output=True, text=True)
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr.strip()[-200:]
     counts = {name: int(n) for n, name in re.findall(r"(\d+) (passed|failed|skipped|error|errors)", summary)}
@@ -118,7 +119,7 @@ def gpu_tests() -> list[Row]:
 def attention_rows(s: Sizes) -> list[Row]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from kernels import flash_attention
+    from genserve.kernels import flash_attention
 
     rows = []
     d = s.attn_dim
@@ -156,7 +157,7 @@ def copy_bandwidth_gbps(device: str) -> float:
 
 
 def paged_decode_rows(s: Sizes) -> list[Row]:
-    from kernels import paged_decode_attention
+    from genserve.kernels import paged_decode_attention
 
     ctx, batch, hq, hkv, d = s.decode
     block = 16
@@ -183,8 +184,8 @@ def _prompts(s: Sizes, vocab: int) -> list[list[int]]:
 
 def text_rows(s: Sizes) -> list[Row]:
     from bench.lm import NullTokenizer, engine_concurrent, hf_checkpoint, hf_static_batch
-    from services.text.engine import EngineConfig, LLMEngine
-    from services.text.loader import load_model
+    from genserve.services.text.engine.engine import EngineConfig, LLMEngine
+    from genserve.services.text.loader import load_model
 
     dtype_name = "bfloat16" if s.dtype == torch.bfloat16 else "float32"
     with tempfile.TemporaryDirectory() as directory:
@@ -208,8 +209,8 @@ def text_rows(s: Sizes) -> list[Row]:
 # ---- diffusion ------------------------------------------------------------------------------------------------------
 def diffusion_rows(s: Sizes) -> list[Row]:
     from bench.diffusion import diffusers_twin, image_diffusers, image_ours, time_interleaved
-    from services.diffusion.model import load_diffusion
-    from services.diffusion.pipeline import DiffusionPipeline
+    from genserve.services.diffusion.model import load_diffusion
+    from genserve.services.diffusion.pipeline import DiffusionPipeline
 
     model = load_diffusion(None)
     pipe = DiffusionPipeline(model, device=s.device)

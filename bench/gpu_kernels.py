@@ -22,8 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):
-    # Run as a file: its own folder would shadow the `kernels` package, so import from the repository root.
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
+    # Run as a file: `bench` imports from the repository root, appended so that it never shadows an installed package.
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -69,7 +69,7 @@ def _table(title: str, header: list[str], rows: list[list[str]]) -> str:
 def _attention_point(n: int, d: int, causal: bool) -> list[str]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from kernels import flash_attention
+    from genserve.kernels import flash_attention
 
     b, h = max(1, ATTN_TOKENS // n), ATTN_HIDDEN // d
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -110,7 +110,7 @@ def measure_copy_bandwidth() -> float:
 
 
 def _time_paged_decode(ctx: int, batch: int, q: torch.Tensor) -> float:
-    from kernels import paged_decode_attention
+    from genserve.kernels import paged_decode_attention
 
     _, hkv, d = DECODE_HEADS
     blocks_per_seq = ctx // DECODE_BLOCK
@@ -155,9 +155,9 @@ def bench_decode(quick: bool, copy_gbps: float) -> str:
 
 
 def bench_elementwise(quick: bool) -> str:
-    from kernels import apply_rope, rms_norm
-    from shared.blocks.backend import get_backend
-    from shared.blocks.rope import rope_cos_sin
+    from genserve.kernels import apply_rope, rms_norm
+    from genserve.shared.blocks.backend import get_backend
+    from genserve.shared.blocks.rope import rope_cos_sin
 
     torch_backend = get_backend("torch")
     rows = []

@@ -17,9 +17,9 @@ validation text. The engines run with their default EngineConfig.max_lookahead (
 Prints medians with min-max over ``--repeats`` runs and the ratios against HF.
 
 With ``--model`` the weights are a GGUF file's: transformers loads it dequantised to fp32 (``gguf_file=``), the
-engines load it through services.text.loader in fp32, bf16 and int8, and with its Q8_0/Q4_0/Q4_1 projections kept
-in the file's own blocks (QuantLinear, ``keep_quantized=True``). When llama-cpp-python is importable, llama.cpp runs
-the same file: batch-1 decode, and the 16 requests one after another (it serves one sequence at a time). The table
+engines load it through genserve.services.text.loader in fp32, bf16 and int8, and with its Q8_0/Q4_0/Q4_1 projections
+kept in the file's own blocks (QuantLinear, ``keep_quantized=True``). When llama-cpp-python is importable, llama.cpp
+runs the same file: batch-1 decode, and the 16 requests one after another (it serves one sequence at a time). The table
 then states the issue's goals and whether each was met; the demo-model perplexities are not computed.
 """
 
@@ -36,9 +36,10 @@ from pathlib import Path
 
 import torch
 
-from services.text import default_model
-from services.text.engine import EngineConfig, LLMEngine, SamplingParams
-from services.text.loader import load_model, open_gguf
+from genserve.services.text import default_model
+from genserve.services.text.engine.engine import EngineConfig, LLMEngine
+from genserve.services.text.engine.params import SamplingParams
+from genserve.services.text.loader import load_model, open_gguf
 
 FULL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
             num_key_value_heads=2, max_position_embeddings=1024)
@@ -226,9 +227,9 @@ def weight_bytes_per_step(model) -> int:
 
 # ---- perplexity change of bf16 weights on the demo model ------------------------------------------------------
 def demo_perplexities(max_tokens: int = 8192) -> dict[str, float] | None:
-    from services.text import corpus
-    from services.text.engine.async_engine import DEMO_DIR
-    from services.text.tokenizer import TextTokenizer
+    from genserve.services.text import corpus
+    from genserve.services.text.engine.async_engine import DEMO_DIR
+    from genserve.services.text.tokenizer import TextTokenizer
 
     if not (DEMO_DIR / "config.json").exists():
         return None

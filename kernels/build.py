@@ -1,11 +1,11 @@
 """Build the CPU kernels now, into $GENSERVE_CACHE_DIR, and exit non-zero if they cannot be built:
-``python -m kernels.build`` (the Docker image runs it at image build time)."""
+``python -m genserve.kernels.build`` (the Docker image runs it at image build time)."""
 
 from __future__ import annotations
 
 import sys
 
-from kernels import _cpu_library
+from genserve.kernels import _cpu_library
 
 
 def main() -> int:

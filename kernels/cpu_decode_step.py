@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._cpu_library import library, threads
-from shared.blocks.quant_formats import quant_format, row_bytes
+from genserve.kernels._cpu_library import library, threads
+from genserve.kernels.quant_formats import quant_format, row_bytes
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -38,7 +38,7 @@ class _LayerWeights(ctypes.Structure):
 @dataclass(frozen=True)
 class QuantWeight:
     """A weight matrix (out_features, in_features) kept as GGUF blocks: ``blocks`` uint8 (out, row bytes),
-    ``qtype`` a name or GGML type id of shared/blocks/quant_formats.py."""
+    ``qtype`` a name or GGML type id of kernels/quant_formats.py."""
 
     blocks: torch.Tensor
     qtype: str | int

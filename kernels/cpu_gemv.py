@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._cpu_library import library, threads
+from genserve.kernels._cpu_library import library, threads
 
 MAX_ROWS = 8  # csrc/gemv.c's limit; beyond it a blocked GEMM (F.linear) reuses each weight across rows
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._cpu_library import library
+from genserve.kernels._cpu_library import library
 
 
 def supports(x: torch.Tensor) -> bool:

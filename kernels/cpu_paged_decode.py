@@ -1,5 +1,5 @@
 """Decode attention over the paged KV cache on the CPU (csrc/paged_decode.c): the same contract as
-``kernels.paged_decode_attention`` (the Triton kernel), for fp32 or bf16 caches."""
+``genserve.kernels.paged_decode_attention`` (the Triton kernel), for fp32 or bf16 caches."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from kernels._cpu_library import library, threads
+from genserve.kernels._cpu_library import library, threads
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

@@ -1,4 +1,4 @@
-"""y = x W^T + b with W in GGUF's quantised blocks (Q8_0, Q4_0, Q4_1; shared/blocks/quant_formats.py), on the CPU
+"""y = x W^T + b with W in GGUF's quantised blocks (Q8_0, Q4_0, Q4_1; kernels/quant_formats.py), on the CPU
 (csrc/quant_gemv.c).
 
 A decode-sized product dequantises each block in registers inside the matrix-vector loop, so it streams the file's
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._cpu_library import library, threads
-from shared.blocks.quant_formats import quant_format, row_bytes
+from genserve.kernels._cpu_library import library, threads
+from genserve.kernels.quant_formats import quant_format, row_bytes
 
 GEMV_MAX_ROWS = 16  # up to here the in-register kernel; beyond, dequantised slices and sgemm (bench/quant.py)
 DEQUANT_ROWS = 2048  # weight rows widened per sgemm: (2048, K) fp32, 4.5 MiB at K = 576

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from kernels._cpu_library import library
+from genserve.kernels._cpu_library import library
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _INT_MAX = 2**31 - 1  # sgemm's LP64 sizes and strides

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._runtime import dot_precision, interpreting, upcast_for_interpreter
+from genserve.kernels._runtime import dot_precision, interpreting, upcast_for_interpreter
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256

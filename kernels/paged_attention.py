@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._runtime import dot_precision, interpreting, sm_count, upcast_for_interpreter
-from kernels.flash_attention import LOG2E, M_INIT, MAX_HEAD_DIM, online_softmax_step
+from genserve.kernels._runtime import dot_precision, interpreting, sm_count, upcast_for_interpreter
+from genserve.kernels.flash_attention import LOG2E, M_INIT, MAX_HEAD_DIM, online_softmax_step
 
 # Splits cover a multiple of this many tokens, a multiple of every BLOCK_N below, so tiles never straddle splits.
 _SPLIT_GRANULE = 256

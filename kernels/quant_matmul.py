@@ -1,4 +1,4 @@
-"""y = x W^T + b with W in GGUF's quantised blocks (Q8_0, Q4_0, Q4_1; layouts in shared/blocks/quant_formats.py),
+"""y = x W^T + b with W in GGUF's quantised blocks (Q8_0, Q4_0, Q4_1; layouts in kernels/quant_formats.py),
 dequantised tile by tile inside the matmul: the weight crosses memory as the file's bytes and lives in fp32/fp16 only
 in registers.
 
@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._runtime import dot_precision, upcast_for_interpreter
-from shared.blocks.quant_formats import BLOCK, FORMATS, quant_format, row_bytes
+from genserve.kernels._runtime import dot_precision, upcast_for_interpreter
+from genserve.kernels.quant_formats import BLOCK, FORMATS, quant_format, row_bytes
 
 __all__ = ["FORMATS", "quant_linear"]
 

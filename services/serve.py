@@ -21,8 +21,10 @@ same variables: they inherit this process's environment.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -30,10 +32,10 @@ from typing import Any
 
 import yaml
 
-from services.common import drain, ray_adapter, tls_front
-from services.common.auth import INSECURE_ENV, KEYS_FILE_ENV, Access, insecure
-from services.common.deploy_config import GRPC_PORT, HEALTH_PORT, HTTP_PORT, LOCAL_PATH, SERVE_ENV
-from services.text import default_model
+from genserve.services.common import drain, ray_adapter, tls_front
+from genserve.services.common.auth import INSECURE_ENV, KEYS_FILE_ENV, Access, insecure
+from genserve.services.common.deploy_config import GRPC_PORT, HEALTH_PORT, HTTP_PORT, LOCAL_PATH, SERVE_ENV
+from genserve.services.text import default_model
 
 # Ray must bind 127.0.0.1, must not switch on token auth (a second driver could not connect), and must not phone
 # home (no network here); and Serve's request path as on GPU nodes (deploy_config.SERVE_ENV).
@@ -91,7 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_config(args: argparse.Namespace) -> dict[str, Any]:
     """The config file with this run's ports and model directories put in."""
-    from services.common.builder import model_dir_env, pipeline_vae_dir  # imports ray: only after RAY_ENV is set
+    from genserve.services.common.builder import (  # imports ray: only after RAY_ENV is set
+        model_dir_env,
+        pipeline_vae_dir,
+    )
 
     config = yaml.safe_load(args.config.read_text())
     config["grpc_options"]["port"] = args.grpc_port
@@ -132,7 +137,7 @@ def wait_ready(names: list[str], timeout: float) -> None:
     """Block until every application in `names` is RUNNING; raise RuntimeError when one fails or time runs out."""
     from ray import serve
 
-    from services.common.health_app import label
+    from genserve.services.common.health_app import label
 
     deadline = time.monotonic() + timeout
     statuses: dict[str, str] = {}
@@ -233,6 +238,28 @@ def announce(rule: Access) -> None:
               f"every interface) can use every model.\n{banner}", file=sys.stderr, flush=True)
 
 
+def taken_ports(args: argparse.Namespace) -> list[str]:
+    """The public ports that something already holds (another `make serve`, most often), each as 'PORT (what, --flag
+    or ENV)'. Ray's gRPC and HTTP proxies bind every interface, so a bind on 127.0.0.1 fails exactly when they could
+    not start."""
+    wanted = [(args.grpc_port, "gRPC", "--grpc-port", "GENSERVE_GRPC_PORT"),
+              (args.http_port, "HTTP", "--http-port", "GENSERVE_HTTP_PORT"),
+              (args.health_port, "health", "--health-port", "GENSERVE_HEALTH_PORT"),
+              (args.metrics_port, "metrics", "--metrics-port", "GENSERVE_METRICS_PORT")]
+    taken = []
+    for port, what, flag, env in wanted:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            # As the servers bind: a port whose old connections linger in TIME_WAIT is free, a listening one is not.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                taken.append(f"{port} ({what}: {flag} or {env})")
+    return taken
+
+
 def _raise_stop(signum: int, frame: object) -> None:
     raise Stop(signal.Signals(signum).name)
 
@@ -241,6 +268,11 @@ def run(args: argparse.Namespace) -> int:
     # Before the first `import ray`: Ray reads some of these once, when its constants module loads.
     for key, value in RAY_ENV.items():
         os.environ.setdefault(key, value)
+    taken = taken_ports(args)
+    if taken:
+        print(f"genserve: port {', '.join(taken)} already in use on 127.0.0.1: is another `make serve` running? Stop "
+              "it, or give this one other ports.", file=sys.stderr, flush=True)
+        return 1
     try:
         rule = access(args)
     except (OSError, ValueError) as exc:

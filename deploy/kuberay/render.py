@@ -17,8 +17,8 @@ from pathlib import Path
 
 import yaml
 
-from services.common import tls_front
-from services.common.drain import DRAIN_SECONDS
+from genserve.services.common import tls_front
+from genserve.services.common.drain import DRAIN_SECONDS
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVE_CONFIG = ROOT / "deploy" / "serve_config.yaml"

@@ -1,6 +1,6 @@
 """The genserve client: `Client` (blocking) and `AsyncClient` (asyncio), typed by the genserve.v1 stubs.
 
-    from services.client import Client
+    from genserve.services.client import Client
     with Client("127.0.0.1:9000") as client:
         print(client.generate("The with statement", max_tokens=32).text)
 

@@ -1,4 +1,4 @@
-"""The asyncio client: the same calls as services.client.sync.Client, on a grpc.aio channel."""
+"""The asyncio client: the same calls as genserve.services.client.sync.Client, on a grpc.aio channel."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2
+
 from genserve.v1 import (
     common_pb2,
     diffusion_pb2,
     text_pb2,
     vae_pb2,
 )
-from grpc_health.v1 import health_pb2
 
 from . import requests
 from .errors import from_rpc_error

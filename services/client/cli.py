@@ -305,11 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     _offline_parsers(sub)
     args, rest = parser.parse_known_args(argv)
     if args.command == "generate":
-        return _run_offline("services.text.generate", "genserve generate", rest)
+        return _run_offline("genserve.services.text.generate", "genserve generate", rest)
     if args.command == "serve":
-        return _run_offline("services.serve", "genserve serve", rest)
+        return _run_offline("genserve.services.serve", "genserve serve", rest)
     if args.command == "train":
-        return _run_offline(f"services.{args.model}.train", f"genserve train {args.model}", rest)
+        return _run_offline(f"genserve.services.{args.model}.train", f"genserve train {args.model}", rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:

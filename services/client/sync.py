@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from genserve.v1 import (
     common_pb2,
     common_pb2_grpc,
@@ -22,7 +24,6 @@ from genserve.v1 import (
     vae_pb2,
     vae_pb2_grpc,
 )
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from . import requests
 from .errors import from_rpc_error
@@ -67,12 +68,12 @@ def api_key_or_env(api_key: str | None) -> str | None:
 
 
 class Client:
-    """genserve over gRPC. Every method raises a services.client.errors.GenserveError subclass on failure.
+    """genserve over gRPC. Every method raises a genserve.services.client.errors.GenserveError subclass on failure.
     `api_key` (default $GENSERVE_API_KEY) goes with every call."""
 
     def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None, api_key: str | None = None,
                  retry: RetryPolicy | None = DEFAULT_RETRY, tls: ClientTls | None = None):
-        """`tls`: connect over TLS (services.client.tls); None: plaintext."""
+        """`tls`: connect over TLS (genserve.services.client.tls); None: plaintext."""
         self.address = address
         self.timeout = timeout  # the whole call's, retries included
         self.retry = retry

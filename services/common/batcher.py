@@ -26,7 +26,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from pydantic import Field
 
-from services.common.builder import AppArgs
+from genserve.services.common.builder import AppArgs
 
 T = TypeVar("T")
 R = TypeVar("R")

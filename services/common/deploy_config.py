@@ -1,4 +1,4 @@
-"""The one module that writes both serve configs: `python -m services.common.deploy_config`.
+"""The one module that writes both serve configs: `python -m genserve.services.common.deploy_config`.
 
 - deploy/serve_config.local.yaml: CPU only, fractional `num_cpus`; all four apps at their maximum replica count,
   plus the health gateway, reserve at most 2 CPUs, so they fit a 2-core machine.
@@ -142,7 +142,7 @@ def _app(spec: AppSpec, model_dir: str | None) -> dict[str, Any]:
     return {
         "name": spec.name,
         "route_prefix": spec.route_prefix or f"/{spec.name}",
-        "import_path": f"services.{spec.name}.app:build",
+        "import_path": f"genserve.services.{spec.name}.app:build",
         "args": {"model_dir": model_dir, **dict(spec.settings)} if spec.loads_model else {},
         "deployments": [
             {
@@ -161,7 +161,7 @@ def _health_app(host: str, port: int) -> dict[str, Any]:
     return {
         "name": "health",
         "route_prefix": "/health",
-        "import_path": "services.common.health_app:build",
+        "import_path": "genserve.services.common.health_app:build",
         "args": {"host": host, "port": port},
         "deployments": [
             {
@@ -211,7 +211,7 @@ def reserved_cpus(config: dict[str, Any]) -> float:
     return total
 
 
-HEADER = "# Written by `python -m services.common.deploy_config` ({what}); edit that module, not this file.\n"
+HEADER = "# Written by `python -m genserve.services.common.deploy_config` ({what}); edit that module, not this file.\n"
 
 
 def write(path: Path, config: dict[str, Any], what: str) -> None:

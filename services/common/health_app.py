@@ -14,11 +14,12 @@ import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from genserve.v1 import common_pb2
 from grpc_health.v1 import health_pb2
 from pydantic import BaseModel, ConfigDict
 from ray import serve
 from ray.serve.deployment import Application
+
+from genserve.v1 import common_pb2
 
 from . import drain
 from .gate import Gate

@@ -8,8 +8,9 @@ import math
 
 import numpy as np
 import torch
-from genserve.v1 import common_pb2
 from PIL import Image as PILImage
+
+from genserve.v1 import common_pb2
 
 from .errors import InvalidArgument
 

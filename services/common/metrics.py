@@ -12,6 +12,8 @@ record their own model metrics through `ServiceMetrics`.
 - genserve_text_kv_free_blocks (gauge; service): free blocks of the paged KV cache
 - genserve_text_prefix_cache_hit_tokens (counter; service): prompt tokens whose K/V came from the prefix cache
 - genserve_text_prefix_cache_queried_tokens (counter; service): prompt tokens admitted (the hit rate's denominator)
+- genserve_text_preemptions (counter; service): sequences preempted (their blocks freed, recomputed later) because
+  the KV cache ran out
 - genserve_diffusion_steps (counter; service): denoising steps run (steps/s via rate())
 - genserve_diffusion_step_seconds (histogram; service): duration of one denoising step
 - genserve_images (counter; service, method): images produced (images/s via rate())
@@ -47,6 +49,7 @@ class _Registry:
     kv_free: metrics.Gauge
     prefix_hits: metrics.Counter
     prefix_queries: metrics.Counter
+    preemptions: metrics.Counter
     steps: metrics.Counter
     step_seconds: metrics.Histogram
     images: metrics.Counter
@@ -89,6 +92,10 @@ def _registry() -> _Registry:
             "genserve_text_prefix_cache_queried_tokens", description="Prompt tokens admitted to the engine.",
             tag_keys=("service",),
         ),
+        preemptions=metrics.Counter(
+            "genserve_text_preemptions", description="Sequences preempted because the KV cache ran out.",
+            tag_keys=("service",),
+        ),
         steps=metrics.Counter(
             "genserve_diffusion_steps", description="Denoising steps run.", tag_keys=("service",)
         ),
@@ -124,7 +131,7 @@ class ServiceMetrics:
     def __init__(self, service: str):
         self.service = service
         self._ongoing = 0
-        self._prefix_reported = (0, 0)  # (hit, queried) token totals already added to the counters
+        self._reported: dict[str, int] = {}  # the engine totals already added to their counters
 
     def request_started(self) -> None:
         self._ongoing += 1
@@ -151,15 +158,16 @@ class ServiceMetrics:
     def kv_free_blocks(self, n: int) -> None:
         _registry().kv_free.set(n, tags={"service": self.service})
 
-    def prefix_cache(self, hit_tokens: int, queried_tokens: int) -> None:
-        """Bring the prefix-cache counters up to the engine's running totals."""
+    def engine_totals(self, hit_tokens: int, queried_tokens: int, preemptions: int) -> None:
+        """Bring the engine's counters (prefix-cache tokens, preemptions) up to its running totals since start-up."""
         reg, tags = _registry(), {"service": self.service}
-        hits, queries = self._prefix_reported
-        if hit_tokens > hits:
-            reg.prefix_hits.inc(hit_tokens - hits, tags=tags)
-        if queried_tokens > queries:
-            reg.prefix_queries.inc(queried_tokens - queries, tags=tags)
-        self._prefix_reported = (max(hits, hit_tokens), max(queries, queried_tokens))
+        for name, counter, total in (("hit_tokens", reg.prefix_hits, hit_tokens),
+                                     ("queried_tokens", reg.prefix_queries, queried_tokens),
+                                     ("preemptions", reg.preemptions, preemptions)):
+            reported = self._reported.get(name, 0)
+            if total > reported:
+                counter.inc(total - reported, tags=tags)
+                self._reported[name] = total
 
     def denoising_step(self, seconds: float) -> None:
         reg = _registry()

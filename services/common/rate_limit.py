@@ -18,9 +18,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from genserve.v1 import common_pb2, diffusion_pb2, text_pb2
 from google.protobuf.message import Message
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from genserve.v1 import common_pb2, diffusion_pb2, text_pb2
 
 from .errors import RateLimited
 

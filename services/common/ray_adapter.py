@@ -13,6 +13,11 @@ Ray upgrade that moves one fails that test instead of a deployment.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 PRIVATE_API = {
@@ -30,11 +35,28 @@ def init_local_ray(*, metrics_port: int, num_cpus: float | None, include_dashboa
     `metrics_port`."""
     import ray
 
-    ray.init(
-        address="local", num_cpus=num_cpus, include_dashboard=include_dashboard, dashboard_port=dashboard_port,
-        log_to_driver=log_to_driver, namespace=namespace, object_store_memory=object_store_memory,
-        _metrics_export_port=metrics_port, _node_ip_address="127.0.0.1",
-    )
+    with _outside_the_checkout():
+        ray.init(
+            address="local", num_cpus=num_cpus, include_dashboard=include_dashboard, dashboard_port=dashboard_port,
+            log_to_driver=log_to_driver, namespace=namespace, object_store_memory=object_store_memory,
+            _metrics_export_port=metrics_port, _node_ip_address="127.0.0.1",
+        )
+
+
+@contextlib.contextmanager
+def _outside_the_checkout() -> Iterator[None]:
+    """Ray puts the driver's working directory first on every worker's sys.path. From a checkout's root that would make
+    its folders (kernels/, services/) top-level packages in the replicas, shadowing installed distributions of those
+    names (Hugging Face's `kernels`, which transformers imports); genserve itself imports as `genserve.*`. So the
+    driver joins Ray from an empty folder of its own."""
+    empty = Path(tempfile.gettempdir()) / "genserve-ray-driver"
+    empty.mkdir(exist_ok=True)
+    before = os.getcwd()
+    os.chdir(empty)
+    try:
+        yield
+    finally:
+        os.chdir(before)
 
 
 def deploy_config(config: dict[str, Any]) -> None:

@@ -4,8 +4,8 @@ A deployment method named after its RPC is decorated with `unary(RequestType, Re
 `streaming(RequestType)`. The wrapped method only validates, calls the model and builds the reply; whatever it
 raises is turned into a status by services/common/errors.py and set on Ray Serve's `grpc_context`, so no
 traceback ever reaches the client.
-The deployment provides `self.metrics` (a ServiceMetrics), `self.gate` (a services.common.gate.Gate: API keys, the
-peer rule and rate limits, checked first) and may provide `known_errors` (see errors.to_status).
+The deployment provides `self.metrics` (a ServiceMetrics), `self.gate` (a genserve.services.common.gate.Gate: API keys,
+the peer rule and rate limits, checked first) and may provide `known_errors` (see errors.to_status).
 While the stack drains (services/common/drain.py), `_admit` refuses new calls from clients with UNAVAILABLE and
 `_in_flight` counts the calls that run, so that the drain can wait for them and, past its deadline, cut them short.
 """
@@ -21,9 +21,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
-from genserve.v1 import common_pb2
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
+
+from genserve.v1 import common_pb2
 
 from . import drain
 from .errors import Status, Unavailable, Unimplemented, to_status

@@ -13,7 +13,7 @@ HTTP uses Ray's own `http_options.ssl_*` (uvicorn). Ray passes uvicorn `ssl_ca_c
 whose default CERT_NONE accepts clients without a certificate (ray/serve/_private/http_util.py), so with a client CA
 the HTTP port goes through Caddy as well and Serve's HTTP proxy moves to an internal port on 127.0.0.1.
 
-`python -m services.common.tls_front` writes deploy/tls/caddy.json and caddy.mtls.json, the same front for
+`python -m genserve.services.common.tls_front` writes deploy/tls/caddy.json and caddy.mtls.json, the same front for
 docker-compose.yml and the KubeRay manifest.
 """
 
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.common.auth import Access
-from services.common.deploy_config import GRPC_PORT, HTTP_PORT
+from genserve.services.common.auth import Access
+from genserve.services.common.deploy_config import GRPC_PORT, HTTP_PORT
 
 CERT_ENV = "GENSERVE_TLS_CERT"
 KEY_ENV = "GENSERVE_TLS_KEY"

@@ -19,43 +19,29 @@ from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from typing import Any
 
-import grpc
 import torch
-from genserve.v1 import common_pb2, diffusion_pb2, vae_pb2
 from grpc_health.v1 import health_pb2
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field
 from ray import serve
 from ray.serve.deployment import Application
-from ray.serve.exceptions import BackPressureError
 
-from services.common import health
-from services.common.builder import AppArgs, build_app, handle_to
-from services.common.device import serving_device
-from services.common.errors import InvalidArgument
-from services.common.gate import Gate
-from services.common.images import image_messages, tensor_message
-from services.common.metrics import ServiceMetrics
-from services.common.rpc import streaming, unary, unknown_rpcs
-from services.common.validation import MAX_SEED, Request, parse, resolve_seed
-from services.diffusion.pipeline import (
-    DEFAULT_GUIDANCE_SCALE,
-    DEFAULT_STEPS,
-    GUIDANCE_MODES,
-    MAX_GUIDANCE_SCALE,
-    MAX_NEGATIVE_WEIGHT,
-    MAX_PROMPT_CHARS,
-    MAX_STEPS,
-    SCHEDULERS,
+from genserve.services.common import health
+from genserve.services.common.builder import AppArgs, build_app, handle_to
+from genserve.services.common.device import serving_device
+from genserve.services.common.errors import InvalidArgument
+from genserve.services.common.gate import Gate
+from genserve.services.common.images import image_messages, tensor_message
+from genserve.services.common.metrics import ServiceMetrics
+from genserve.services.common.rpc import streaming, unary, unknown_rpcs
+from genserve.services.common.validation import parse, resolve_seed
+from genserve.services.diffusion.pipeline import (
     DiffusionPipeline,
-    GenerationCancelled,
 )
-from services.diffusion.step_batcher import StepBatcher
+from genserve.services.diffusion.schema import KNOWN_ERRORS, MAX_REQUEST_ROWS, DiffusionIn
+from genserve.services.diffusion.step_batcher import StepBatcher
+from genserve.v1 import common_pb2, diffusion_pb2, vae_pb2
 
 SERVICE = "genserve.v1.Diffusion"
-# One request holds a slot in the loop for all its steps; a small batch keeps the queue moving.
-MAX_IMAGES = 8
-# U-Net rows of the largest request: MAX_IMAGES images × 3 passes (Perp-Neg with a negative prompt).
-MAX_REQUEST_ROWS = 3 * MAX_IMAGES
 _DONE = object()
 
 
@@ -67,34 +53,6 @@ class StepBatchArgs(AppArgs):
     batch_wait_s: float = Field(0.005, ge=0, le=1, allow_inf_nan=False)  # how long an idle loop waits for others
 
 
-# The request fields that name one of a fixed set ("" = the model's default): what the error calls it, the names.
-_NAMED_CHOICES = {"guidance": ("guidance mode", GUIDANCE_MODES), "scheduler": ("scheduler", tuple(sorted(SCHEDULERS)))}
-
-
-class DiffusionIn(Request):
-    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
-    negative_prompt: str = Field("", max_length=MAX_PROMPT_CHARS)
-    num_images: int = Field(1, ge=1, le=MAX_IMAGES)
-    steps: int = Field(DEFAULT_STEPS, ge=1, le=MAX_STEPS)
-    guidance_scale: float = Field(DEFAULT_GUIDANCE_SCALE, ge=0, le=MAX_GUIDANCE_SCALE, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    scheduler: str = ""
-    eta: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
-    preview_every: int = Field(0, ge=0, le=MAX_STEPS)
-    width: int | None = Field(None, ge=1)
-    height: int | None = Field(None, ge=1)
-    guidance: str = ""
-    negative_weight: float | None = Field(None, ge=0, le=MAX_NEGATIVE_WEIGHT, allow_inf_nan=False)
-
-    @field_validator("guidance", "scheduler")
-    @classmethod
-    def _known_name(cls, name: str, info: ValidationInfo) -> str:
-        kind, names = _NAMED_CHOICES[info.field_name]
-        if name and name not in names:
-            raise ValueError(f"unknown {kind} {name!r}; one of {', '.join(names)}")
-        return name
-
-
 def _progress(step: int, total: int, elapsed: float) -> diffusion_pb2.DiffusionEvent:
     return diffusion_pb2.DiffusionEvent(
         progress=diffusion_pb2.DiffusionProgress(step=step, total_steps=total, elapsed_s=elapsed)
@@ -104,11 +62,7 @@ def _progress(step: int, total: int, elapsed: float) -> diffusion_pb2.DiffusionE
 @serve.deployment(name="Diffusion")
 class Diffusion:
     __getattr__ = unknown_rpcs
-    # BackPressureError: the `vae` application's queue is full, so this request cannot be decoded now.
-    known_errors = {
-        GenerationCancelled: (grpc.StatusCode.CANCELLED, None),
-        BackPressureError: (grpc.StatusCode.RESOURCE_EXHAUSTED, None),
-    }
+    known_errors = KNOWN_ERRORS
 
     def __init__(self, model_dir: str | None, settings: StepBatchArgs | None = None):
         settings = settings or StepBatchArgs()

@@ -11,9 +11,9 @@ from typing import Literal
 import torch
 from torch import nn
 
-from services.diffusion.guidance import DEFAULT_NEGATIVE_WEIGHT
-from services.diffusion.schedulers.schedule import NoiseScheduleConfig
-from shared.blocks.unet import UNet
+from genserve.services.diffusion.params import DEFAULT_NEGATIVE_WEIGHT
+from genserve.services.diffusion.schedulers.schedule import NoiseScheduleConfig
+from genserve.shared.blocks.unet import UNet
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from services.diffusion.guidance import combine
-from services.diffusion.schedulers import Scheduler
-from shared.blocks.cross_attention import ContextCache
+from genserve.services.diffusion.guidance import combine
+from genserve.services.diffusion.schedulers import Scheduler
+from genserve.shared.blocks.cross_attention import ContextCache
 
 
 @dataclass

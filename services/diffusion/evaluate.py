@@ -1,8 +1,8 @@
 """Prompt adherence of the diffusion model, read back by the project's attribute reader.
 
 Prompts are drawn from the held-out RNG stream of the shapes dataset (``split_rng(seed, "heldout")``), generated at
-the given sampler settings, decoded with the VAE and read with ``services.shapes.reader``; the score per attribute
-is the fraction of images whose read attribute equals the prompt's ("all": all four right).
+the given sampler settings, decoded with the VAE and read with ``genserve.services.shapes.reader``; the score per
+attribute is the fraction of images whose read attribute equals the prompt's ("all": all four right).
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import time
 
 import torch
 
-from services.diffusion.pipeline import MAX_BATCH, DiffusionPipeline
-from services.shapes.dataset import caption, sample_attributes, split_rng
-from services.shapes.reader import accuracy, read_batch
-from services.vae.model import VAE, load_vae
+from genserve.services.common.weights import committed_weights
+from genserve.services.diffusion.pipeline import MAX_BATCH, DiffusionPipeline
+from genserve.services.shapes.dataset import caption, sample_attributes, split_rng
+from genserve.services.shapes.reader import accuracy, read_batch
+from genserve.shared.blocks.autoencoder import VAE, load_autoencoder
 
 
 def heldout_prompts(n: int, seed: int = 0) -> tuple[list[str], list[dict[str, str]]]:
@@ -49,7 +50,7 @@ def evaluate(n_prompts: int = 200, steps: int = 20, guidance_scale: float = 3.0,
     ``pipeline``/``vae`` default to the committed weights (services/diffusion/weights, services/vae/weights).
     """
     pipe = pipeline or DiffusionPipeline.from_dir()
-    vae = vae or load_vae()
+    vae = vae or load_autoencoder(committed_weights("vae"))
     prompts, attrs = heldout_prompts(n_prompts, seed)
     started = time.perf_counter()
     images = generate_images(pipe, vae, prompts, steps=steps, guidance_scale=guidance_scale, seed=seed,
@@ -61,9 +62,10 @@ def evaluate(n_prompts: int = 200, steps: int = 20, guidance_scale: float = 3.0,
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m services.diffusion.evaluate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m genserve.services.diffusion.evaluate",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--weights", default=None, help="diffusion checkpoint directory (default: committed)")
-    parser.add_argument("--vae", default=None, help="VAE checkpoint directory (default: committed)")
+    parser.add_argument("--vae", default=committed_weights("vae"), help="VAE checkpoint directory (default: committed)")
     parser.add_argument("--n-prompts", type=int, default=200)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--guidance-scale", type=float, default=3.0)
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     result = evaluate(args.n_prompts, args.steps, args.guidance_scale, args.seed, args.scheduler,
-                      DiffusionPipeline.from_dir(args.weights), load_vae(args.vae))
+                      DiffusionPipeline.from_dir(args.weights), load_autoencoder(args.vae))
     print(json.dumps(result, indent=2))
 
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-GUIDANCE_MODES = ("cfg", "perp_neg")
-DEFAULT_NEGATIVE_WEIGHT = 1.0
+from genserve.services.diffusion.params import DEFAULT_NEGATIVE_WEIGHT
+
 # ‖d_p‖² below this (per element, squared) counts as zero: nothing to project onto, so d_n is subtracted whole.
 _TINY = 1e-12
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from services.diffusion.components import DiffusionComponents
-from services.diffusion.schedulers.schedule import NoiseScheduleConfig
-from services.diffusion.text_encoder import TextEncoder, TextEncoderConfig
-from services.diffusion.tokenizer import WordTokenizer, caption_vocabulary
-from shared.blocks.unet import UNet, UNetConfig
-from shared.checkpoint import load_weights, read_extra, save_checkpoint
+from genserve.services.diffusion.components import DiffusionComponents
+from genserve.services.diffusion.schedulers.schedule import NoiseScheduleConfig
+from genserve.services.diffusion.text_encoder import TextEncoder, TextEncoderConfig
+from genserve.services.diffusion.tokenizer import WordTokenizer, caption_vocabulary
+from genserve.shared.blocks.unet import UNet, UNetConfig
+from genserve.shared.checkpoint import load_weights, read_extra, save_checkpoint
 
 DEFAULT_WEIGHTS = Path(__file__).parent / "weights"
 # The demo VAE (services/vae) maps 32×32 images to 8×8 latents: 4 pixels per latent cell on each side.

@@ -5,7 +5,7 @@ Against a running stack, each row is one prompt with one negative prompt; the co
 `genserve diffuse` call, so the grid shows what the CLI gives, previews and all defaults included.
 
     make serve   # in another terminal
-    .venv/bin/python -m services.diffusion.negative_grid -o docs/img/negative_prompts.png
+    .venv/bin/python -m genserve.services.diffusion.negative_grid -o docs/img/negative_prompts.png
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from services.shapes.grid import save_grid
+from genserve.services.shapes.grid import save_grid
 
 # (prompt, negative, extra CLI options); the first row is the README's second example, the last its third.
 ROWS: tuple[tuple[str, str, tuple[str, ...]], ...] = (

@@ -1,6 +1,6 @@
 """Negative-prompt adherence and steering of the diffusion model, read back by the attribute reader.
 
-Two questions, on the held-out prompts and seeds of ``services.diffusion.evaluate`` (issue 18):
+Two questions, on the held-out prompts and seeds of ``genserve.services.diffusion.evaluate`` (issue 18):
 - adherence: does a negative prompt leave what the prompt asks for intact? Prompt i is paired with a negative that
   names another colour ("a green square" for a yellow square), another shape ("a yellow circle") or another
   position ("a square at the bottom right"), by i mod 3, the other value drawn from a seeded RNG; and, separately,
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.diffusion.evaluate import generate_images, heldout_prompts
-from services.diffusion.pipeline import DiffusionPipeline
-from services.shapes.dataset import COLOURS, POSITIONS, SHAPES, partial_caption
-from services.shapes.reader import accuracy, read_batch
-from services.vae.model import VAE
+from genserve.services.diffusion.evaluate import generate_images, heldout_prompts
+from genserve.services.diffusion.pipeline import DiffusionPipeline
+from genserve.services.shapes.dataset import COLOURS, POSITIONS, SHAPES, partial_caption
+from genserve.services.shapes.reader import accuracy, read_batch
+from genserve.shared.blocks.autoencoder import VAE
 
 NEGATIVE_KINDS = ("colour", "shape", "position")
 GENERIC_NEGATIVE = "a blurry image"

@@ -17,29 +17,30 @@ from typing import Any
 
 import torch
 
-from services.diffusion.components import DiffusionComponents
-from services.diffusion.denoising import Denoising
-from services.diffusion.guidance import DEFAULT_NEGATIVE_WEIGHT, GUIDANCE_MODES, combine
-from services.diffusion.model import LatentDiffusion, load_diffusion
-from services.diffusion.schedulers import SCHEDULERS, make_scheduler
-from services.diffusion.sd_folder import is_diffusers_pipeline, load_sd_components
-from shared.blocks.cross_attention import ContextCache
-
-MAX_STEPS = 200
-MAX_BATCH = 16
-MAX_GUIDANCE_SCALE = 20.0
-MAX_PROMPT_CHARS = 200
-MAX_NEGATIVE_WEIGHT = 10.0
-DEFAULT_STEPS = 20
-DEFAULT_GUIDANCE_SCALE = 3.0
+from genserve.services.diffusion.components import DiffusionComponents
+from genserve.services.diffusion.denoising import Denoising
+from genserve.services.diffusion.guidance import combine
+from genserve.services.diffusion.model import LatentDiffusion, load_diffusion
+from genserve.services.diffusion.params import (
+    DEFAULT_GUIDANCE_SCALE,
+    DEFAULT_NEGATIVE_WEIGHT,
+    DEFAULT_STEPS,
+    GUIDANCE_MODES,
+    MAX_BATCH,
+    MAX_GUIDANCE_SCALE,
+    MAX_NEGATIVE_WEIGHT,
+    MAX_PROMPT_CHARS,
+    MAX_STEPS,
+    SCHEDULERS,
+    GenerationCancelled,
+)
+from genserve.services.diffusion.schedulers import make_scheduler
+from genserve.services.diffusion.sd_folder import is_diffusers_pipeline, load_sd_components
+from genserve.shared.blocks.cross_attention import ContextCache
 
 __all__ = ["DEFAULT_GUIDANCE_SCALE", "DEFAULT_NEGATIVE_WEIGHT", "DEFAULT_STEPS", "GUIDANCE_MODES", "MAX_BATCH",
            "MAX_GUIDANCE_SCALE", "MAX_NEGATIVE_WEIGHT", "MAX_PROMPT_CHARS", "MAX_STEPS", "SCHEDULERS",
            "GenerationCancelled", "DiffusionPipeline"]
-
-
-class GenerationCancelled(Exception):
-    """Raised by ``generate`` when ``should_cancel()`` returned True between two steps."""
 
 
 class DiffusionPipeline:

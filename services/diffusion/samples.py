@@ -1,6 +1,6 @@
 """Sample grids for the docs: a fixed list of prompts, and one prompt with and without guidance.
 
-    python -m services.diffusion.samples [--weights DIR] [--vae DIR] [--out docs/img]
+    python -m genserve.services.diffusion.samples [--weights DIR] [--vae DIR] [--out docs/img]
 
 writes ``diffusion_samples.png`` (each fixed prompt, one row per seed) and ``diffusion_guidance.png`` (one prompt,
 guidance scales 1 (none), 3 and 5 by row, the same seeds across rows), both 20-step DDIM.
@@ -13,10 +13,11 @@ from pathlib import Path
 
 import torch
 
-from services.diffusion.evaluate import generate_images
-from services.diffusion.pipeline import DiffusionPipeline
-from services.shapes.grid import save_grid
-from services.vae.model import VAE, load_vae
+from genserve.services.common.weights import committed_weights
+from genserve.services.diffusion.evaluate import generate_images
+from genserve.services.diffusion.pipeline import DiffusionPipeline
+from genserve.services.shapes.grid import save_grid
+from genserve.shared.blocks.autoencoder import VAE, load_autoencoder
 
 DOC_PROMPTS = (
     "a large red circle at the top left",
@@ -49,11 +50,11 @@ def guidance_grid(pipe: DiffusionPipeline, vae: VAE, path: Path, n: int = 8) -> 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--weights", default=None)
-    parser.add_argument("--vae", default=None)
+    parser.add_argument("--vae", default=committed_weights("vae"))
     parser.add_argument("--out", type=Path, default=Path("docs/img"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    pipe, vae = DiffusionPipeline.from_dir(args.weights), load_vae(args.vae)
+    pipe, vae = DiffusionPipeline.from_dir(args.weights), load_autoencoder(args.vae)
     print(prompt_grid(pipe, vae, args.out / "diffusion_samples.png"))
     print(guidance_grid(pipe, vae, args.out / "diffusion_guidance.png"))
 

@@ -15,15 +15,15 @@ from pathlib import Path
 
 import torch
 
-from services.diffusion.clip_tokenizer import CLIPTokenizer
-from services.diffusion.components import DiffusionComponents
-from services.diffusion.sd_schedule import SCHEDULER_CLASSES, check_scheduler_config, schedule_for
-from services.diffusion.sd_text import CLASS_NAME as TEXT_CLASS
-from services.diffusion.sd_text import load_clip_text
-from services.diffusion.sd_unet import CLASS_NAME as UNET_CLASS
-from services.diffusion.sd_unet import load_unet
-from services.vae.autoencoder_kl import CLASS_NAME as VAE_CLASS
-from services.vae.autoencoder_kl import vae_config_from_diffusers
+from genserve.services.diffusion.clip_tokenizer import CLIPTokenizer
+from genserve.services.diffusion.components import DiffusionComponents
+from genserve.services.diffusion.sd_schedule import SCHEDULER_CLASSES, check_scheduler_config, schedule_for
+from genserve.services.diffusion.sd_text import CLASS_NAME as TEXT_CLASS
+from genserve.services.diffusion.sd_text import load_clip_text
+from genserve.services.diffusion.sd_unet import CLASS_NAME as UNET_CLASS
+from genserve.services.diffusion.sd_unet import load_unet
+from genserve.shared.blocks.autoencoder_kl import CLASS_NAME as VAE_CLASS
+from genserve.shared.blocks.autoencoder_kl import vae_config_from_diffusers
 
 INDEX = "model_index.json"
 PIPELINE_CLASSES = ("StableDiffusionPipeline",)

@@ -8,13 +8,13 @@ visits the timesteps diffusers' would. Options we do not implement are refused w
 
 from __future__ import annotations
 
-from services.diffusion.schedulers.schedule import (
+from genserve.services.diffusion.schedulers.schedule import (
     BETA_SCHEDULES,
     PREDICTION_TYPES,
     TIMESTEP_SPACINGS,
     NoiseScheduleConfig,
 )
-from shared.checkpoint import supported
+from genserve.shared.checkpoint import supported
 
 # The scheduler classes whose config is a beta schedule our samplers can read; the name picks the default sampler.
 SCHEDULER_CLASSES = {

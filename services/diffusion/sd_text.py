@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from shared.blocks.clip_text import CLIPTextConfig, CLIPTextTransformer
-from shared.checkpoint import load_state_strict, read_safetensors_dir, supported
+from genserve.shared.blocks.clip_text import CLIPTextConfig, CLIPTextTransformer
+from genserve.shared.checkpoint import load_state_strict, read_safetensors_dir, supported
 
 CLASS_NAME = "CLIPTextModel"
 # Released checkpoints prefix every name with "text_model."; transformers 5 saves write them without it.

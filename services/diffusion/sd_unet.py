@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from shared.blocks.unet import UNet, UNetConfig
-from shared.checkpoint import load_state_strict, read_safetensors_dir, supported
+from genserve.shared.blocks.unet import UNet, UNetConfig
+from genserve.shared.checkpoint import load_state_strict, read_safetensors_dir, supported
 
 CLASS_NAME = "UNet2DConditionModel"
 CROSS_DOWN, PLAIN_DOWN, CROSS_UP, PLAIN_UP = "CrossAttnDownBlock2D", "DownBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.diffusion.denoising import Denoising
-from services.diffusion.pipeline import GenerationCancelled
-from shared.blocks.cross_attention import ContextCache, CrossAttention
+from genserve.services.diffusion.denoising import Denoising
+from genserve.services.diffusion.pipeline import GenerationCancelled
+from genserve.shared.blocks.cross_attention import ContextCache, CrossAttention
 
-UNet = Callable[..., torch.Tensor]  # (x, timesteps, context, *, temb) -> output, like shared.blocks.unet.UNet
+UNet = Callable[..., torch.Tensor]  # (x, timesteps, context, *, temb) -> output, like genserve.shared.blocks.unet.UNet
 
 
 class StackedContext(ContextCache):

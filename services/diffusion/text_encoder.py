@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shared.blocks.positions import LearnedPositionalEmbedding
-from shared.blocks.transformer import TransformerBlock, TransformerBlockConfig
+from genserve.shared.blocks.positions import LearnedPositionalEmbedding
+from genserve.shared.blocks.transformer import TransformerBlock, TransformerBlockConfig
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from services.shapes.dataset import COLOURS, POSITIONS, SHAPES, SIZES
+from genserve.services.shapes.dataset import COLOURS, POSITIONS, SHAPES, SIZES
 
 PAD, UNK, BOS = "<pad>", "<unk>", "<bos>"
 SPECIAL_TOKENS = (PAD, UNK, BOS)

@@ -1,7 +1,7 @@
 """Train the latent text-to-image model (U-Net + text encoder, jointly) on the captioned shapes in VAE latent space.
 
-``genserve train diffusion`` or ``python -m services.diffusion.train``. Seeded and resumable: the run directory holds
-the latest raw weights, the EMA weights (``<run-dir>/ema``) and the optimizer state; running again with the same
+``genserve train diffusion`` or ``python -m genserve.services.diffusion.train``. Seeded and resumable: the run directory
+holds the latest raw weights, the EMA weights (``<run-dir>/ema``) and the optimizer state; running again with the same
 ``--run-dir`` continues from its step up to ``--steps`` (``--time-limit`` stops a chunk early, saving first).
 
 Data: a pool of training-split images is rendered once per run, encoded by the frozen VAE to posterior (mean, std)
@@ -34,29 +34,37 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from services.diffusion.evaluate import evaluate, generate_images
-from services.diffusion.model import (
+from genserve.services.common.weights import committed_weights
+from genserve.services.diffusion.evaluate import evaluate, generate_images
+from genserve.services.diffusion.model import (
     DEFAULT_WEIGHTS,
     DiffusionConfig,
     LatentDiffusion,
     default_config,
     save_diffusion,
 )
-from services.diffusion.pipeline import DiffusionPipeline
-from services.diffusion.samples import DOC_PROMPTS
-from services.diffusion.schedulers.schedule import add_noise, alphas_cumprod, training_target
-from services.diffusion.tokenizer import WordTokenizer
-from services.shapes.dataset import CAPTION_ATTRIBUTES, attribute_subset, caption, partial_caption, sample_batch
-from services.shapes.grid import save_grid
-from services.shapes.train_state import has_train_state, load_train_state, save_train_state
-from services.vae.model import VAE, load_vae
-from shared.checkpoint import load_weights, read_extra
+from genserve.services.diffusion.pipeline import DiffusionPipeline
+from genserve.services.diffusion.samples import DOC_PROMPTS
+from genserve.services.diffusion.schedulers.schedule import add_noise, alphas_cumprod, training_target
+from genserve.services.diffusion.tokenizer import WordTokenizer
+from genserve.services.shapes.dataset import (
+    CAPTION_ATTRIBUTES,
+    attribute_subset,
+    caption,
+    partial_caption,
+    sample_batch,
+)
+from genserve.services.shapes.grid import save_grid
+from genserve.services.shapes.train_state import has_train_state, load_train_state, save_train_state
+from genserve.shared.blocks.autoencoder import VAE, load_autoencoder
+from genserve.shared.checkpoint import load_weights, read_extra
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", type=Path, default=Path("runs/diffusion"), help="checkpoints + optimizer state")
     parser.add_argument("--out", type=Path, default=DEFAULT_WEIGHTS, help="where the final EMA weights are exported")
-    parser.add_argument("--vae", type=Path, default=None, help="VAE weights (default services/vae/weights)")
+    parser.add_argument("--vae", type=Path, default=committed_weights("vae"),
+                        help="VAE weights (default services/vae/weights)")
     parser.add_argument("--steps", type=int, default=6000, help="total optimizer steps (a resumed run continues)")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -214,7 +222,7 @@ def training_loss(model: LatentDiffusion, config: DiffusionConfig, abar: torch.T
 def run(args: argparse.Namespace) -> dict:
     """Train (or resume) to ``args.steps``, export the EMA weights, return the final held-out adherence."""
     torch.set_num_threads(args.threads)
-    vae = load_vae(args.vae)
+    vae = load_autoencoder(args.vae)
     for p in vae.parameters():
         p.requires_grad_(False)
     model, ema, optimizer, counters = build(args, vae.scaling_factor)

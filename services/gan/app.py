@@ -11,23 +11,23 @@ import asyncio
 from typing import Any
 
 import torch
-from genserve.v1 import common_pb2, gan_pb2
 from grpc_health.v1 import health_pb2
 from pydantic import Field
 from ray import serve
 from ray.serve.deployment import Application
 
-from services.common import health
-from services.common.batcher import BatchArgs, Batcher
-from services.common.builder import build_app
-from services.common.device import serving_device
-from services.common.gate import Gate
-from services.common.images import images_response
-from services.common.metrics import ServiceMetrics
-from services.common.rpc import unary, unknown_rpcs
-from services.common.validation import Request, parse, resolve_seed
-from services.gan.model import load_generator
-from services.gan.sampling import generate, sample_latents, slerp
+from genserve.services.common import health
+from genserve.services.common.batcher import BatchArgs, Batcher
+from genserve.services.common.builder import build_app
+from genserve.services.common.device import serving_device
+from genserve.services.common.gate import Gate
+from genserve.services.common.images import images_response
+from genserve.services.common.metrics import ServiceMetrics
+from genserve.services.common.rpc import unary, unknown_rpcs
+from genserve.services.common.validation import Request, parse, resolve_seed
+from genserve.services.gan.model import load_generator
+from genserve.services.gan.sampling import generate, sample_latents, slerp
+from genserve.v1 import common_pb2, gan_pb2
 
 SERVICE = "genserve.v1.ImageGan"
 MAX_IMAGES = 64

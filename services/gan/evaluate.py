@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from services.gan.model import Generator
-from services.gan.sampling import generate, sample_latents
-from services.shapes.dataset import COLOURS, SHAPES
-from services.shapes.reader import is_valid, read_batch
+from genserve.services.gan.model import Generator
+from genserve.services.gan.sampling import generate, sample_latents
+from genserve.services.shapes.dataset import COLOURS, SHAPES
+from genserve.services.shapes.reader import is_valid, read_batch
 
 
 def evaluate(generator: Generator, n_draws: int = 1000, seed: int = 0, truncation: float | None = None) -> dict:

@@ -35,13 +35,13 @@ import torch
 from torch import nn
 from torch.nn.utils.parametrizations import spectral_norm
 
-from services.shapes.dataset import COLOURS, POSITIONS, SHAPES, SIZES
-from services.vae.model import VAE, VAEConfig
-from shared.blocks.activations import activation
-from shared.blocks.conv import Upsample, conv2d_same
-from shared.blocks.linear import RowwiseLinear
-from shared.blocks.norms import norm
-from shared.checkpoint import load_weights, read_config
+from genserve.services.shapes.dataset import COLOURS, POSITIONS, SHAPES, SIZES
+from genserve.shared.blocks.activations import activation
+from genserve.shared.blocks.autoencoder import VAE, VAEConfig
+from genserve.shared.blocks.conv import Upsample, conv2d_same
+from genserve.shared.blocks.linear import RowwiseLinear
+from genserve.shared.blocks.norms import norm
+from genserve.shared.checkpoint import load_weights, read_config
 
 DEFAULT_WEIGHTS = Path(__file__).parent / "weights"
 

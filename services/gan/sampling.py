@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from services.gan.model import Generator
+from genserve.services.gan.model import Generator
 
 
 def sample_latents(n: int, seed: int, truncation: float | None = None, z_dim: int = 64) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""``genserve train gan``: train the DCGAN on freshly rendered shapes (also ``python -m services.gan.train``).
+"""``genserve train gan``: train the DCGAN on freshly rendered shapes (also ``python -m genserve.services.gan.train``).
 
-By default the GAN works in the VAE's latent space (``--space latent``, see services.gan.model): it needs the
+By default the GAN works in the VAE's latent space (``--space latent``, see genserve.services.gan.model): it needs the
 trained VAE (``--vae``, default services/vae/weights/), whose encoder makes the real latents and whose decoder is
 copied, frozen, into the generator. Hinge loss, Adam(β1=0, β2=0.9) as in SN-GAN, one discriminator step per
 generator step, and an exponential moving average of the generator's weights (usually the generator exported and
@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from services.gan.evaluate import evaluate
-from services.gan.model import (
+from genserve.services.common.weights import committed_weights
+from genserve.services.gan.evaluate import evaluate
+from genserve.services.gan.model import (
     ALL_ATTRIBUTE_CLASSES,
     DEFAULT_WEIGHTS,
     SHAPE_COLOUR_CLASSES,
@@ -35,13 +36,12 @@ from services.gan.model import (
     class_of,
     latent_classes,
 )
-from services.gan.sampling import generate, recalibrate_batchnorm, sample_latents
-from services.shapes.dataset import sample_batch
-from services.shapes.grid import save_grid
-from services.shapes.train_state import has_train_state, load_train_state, save_train_state
-from services.vae.model import DEFAULT_WEIGHTS as VAE_WEIGHTS
-from services.vae.model import VAE, load_vae
-from shared.checkpoint import load_weights, read_config, save_checkpoint
+from genserve.services.gan.sampling import generate, recalibrate_batchnorm, sample_latents
+from genserve.services.shapes.dataset import sample_batch
+from genserve.services.shapes.grid import save_grid
+from genserve.services.shapes.train_state import has_train_state, load_train_state, save_train_state
+from genserve.shared.blocks.autoencoder import VAE, load_autoencoder
+from genserve.shared.checkpoint import load_weights, read_config, save_checkpoint
 
 DATA_SEED_STRIDE = 1_000_000
 
@@ -61,14 +61,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="latent",
         help="latent: draw VAE latents rendered by the frozen VAE decoder (the demo model); pixel: a plain DCGAN",
     )
-    parser.add_argument("--vae", type=Path, default=VAE_WEIGHTS, help="VAE checkpoint for --space latent")
+    parser.add_argument("--vae", type=Path, default=committed_weights("vae"), help="VAE checkpoint for --space latent")
     parser.add_argument("--g-channels", type=str, default=None, help="default 128,64 (latent) / 96,64,32,16 (pixel)")
     parser.add_argument("--d-channels", type=str, default=None, help="default 128 (latent) / 32,64,128 (pixel)")
     parser.add_argument(
         "--condition",
         choices=("shape_colour", "all", "none"),
         default="all",
-        help="classes read off the latent (services.gan.model): shape×colour, all four attributes, or none",
+        help="classes read off the latent (genserve.services.gan.model): shape×colour, all four attributes, or none",
     )
     parser.add_argument("--sample-every", type=int, default=250)
     parser.add_argument("--save-every", type=int, default=250)
@@ -153,7 +153,7 @@ def train_step(
     real_labels: torch.Tensor | None,
     noise: torch.Generator,
 ) -> dict[str, float]:
-    """One hinge-loss discriminator step and one generator step (module docstring of services.gan.model).
+    """One hinge-loss discriminator step and one generator step (module docstring of genserve.services.gan.model).
 
     ``real`` is what the generator network draws: images, or scaled VAE latents for a latent-space GAN.
     """
@@ -203,7 +203,7 @@ def _log_samples(args: argparse.Namespace, ema: Generator, step: int) -> dict:
 def run(args: argparse.Namespace) -> dict:
     """Train (or resume) to ``args.steps`` steps, export the EMA generator, return its metrics over 1,000 draws."""
     torch.set_num_threads(args.threads)
-    vae = load_vae(args.vae) if args.space == "latent" else None
+    vae = load_autoencoder(args.vae) if args.space == "latent" else None
     generator, ema, discriminator, optimizers, counters = _restore_or_build(args, vae)
     generator.train()
     discriminator.train()

@@ -29,31 +29,29 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from genserve.v1 import text_pb2
 from pydantic import BaseModel, ConfigDict
 from ray import serve
 from ray.serve.deployment import Application
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.common import drain
-from services.common.builder import handle_to
-from services.common.errors import RateLimited, Unauthenticated, field_path
-from services.common.gate import Gate, Ticket
-from services.common.rate_limit import RateLimits
-from services.common.ray_adapter import serve_request_id
-from services.diffusion.app import Diffusion
-from services.http import images, text
-from services.http.errors import ModelNotFound, describe, error_body, error_response, refusal, to_error
-from services.http.schemas import MAX_BODY_BYTES, ChatBody, CompletionBody, ImageBody
-from services.http.streams import batches, merge
-from services.text.app import TextGeneration
+from genserve.services.common import drain
+from genserve.services.common.builder import handle_to
+from genserve.services.common.errors import RateLimited, Unauthenticated, field_path
+from genserve.services.common.gate import Gate, Ticket
+from genserve.services.common.rate_limit import RateLimits
+from genserve.services.common.ray_adapter import serve_request_id
+from genserve.services.diffusion.schema import KNOWN_ERRORS as IMAGE_ERRORS
+from genserve.services.http import images, text
+from genserve.services.http.errors import ModelNotFound, describe, error_body, error_response, refusal, to_error
+from genserve.services.http.schemas import MAX_BODY_BYTES, ChatBody, CompletionBody, ImageBody
+from genserve.services.http.streams import batches, merge
+from genserve.services.text.schema import KNOWN_ERRORS as TEXT_ERRORS
+from genserve.v1 import text_pb2
 
 logger = logging.getLogger("ray.serve")
 TEXT_MODEL, IMAGE_MODEL = "text", "diffusion"
 UNION_TAGS = {"str", "int", "float", "bool", "list", "dict"}
-TEXT_ERRORS = TextGeneration.func_or_class.known_errors
-IMAGE_ERRORS = Diffusion.func_or_class.known_errors
 
 
 class HttpArgs(BaseModel):

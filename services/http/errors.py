@@ -17,7 +17,14 @@ from pydantic import ValidationError
 from ray.exceptions import RayTaskError
 from ray.serve.exceptions import BackPressureError
 
-from services.common.errors import InvalidArgument, NotFound, RateLimited, Unauthenticated, field_path, to_status
+from genserve.services.common.errors import (
+    InvalidArgument,
+    NotFound,
+    RateLimited,
+    Unauthenticated,
+    field_path,
+    to_status,
+)
 
 RETRY_AFTER_S = 1
 HTTP_STATUS = {

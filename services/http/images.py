@@ -9,11 +9,10 @@ import base64
 import time
 from typing import Any
 
+from genserve.services.common.errors import InvalidArgument
+from genserve.services.diffusion.schema import DiffusionIn
+from genserve.services.http.schemas import ImageBody
 from genserve.v1 import common_pb2, diffusion_pb2
-
-from services.common.errors import InvalidArgument
-from services.diffusion.app import DiffusionIn
-from services.http.schemas import ImageBody
 
 # DiffusionIn's field names as the body spells them.
 FIELDS = {"num_images": "n"}

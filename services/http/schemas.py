@@ -12,10 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.diffusion.app import DiffusionIn
-from services.diffusion.guidance import GUIDANCE_MODES
-from services.diffusion.schedulers import SCHEDULERS
-from services.text.app import TextIn
+from genserve.services.diffusion.schema import GUIDANCE_MODES, SCHEDULERS, DiffusionIn
+from genserve.services.text.schema import TextIn
 
 # Choices per request: completions multiply it by the number of prompts.
 MAX_CHOICES = 8

@@ -14,12 +14,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from genserve.services.common.errors import InvalidArgument
+from genserve.services.common.validation import MAX_SEED
+from genserve.services.http.schemas import MAX_CHOICES, ChatBody, ChatMessage, CompletionBody, Sampling
+from genserve.services.text.schema import TextIn
 from genserve.v1 import text_pb2
-
-from services.common.errors import InvalidArgument
-from services.common.validation import MAX_SEED
-from services.http.schemas import MAX_CHOICES, ChatBody, ChatMessage, CompletionBody, Sampling
-from services.text.app import TextIn
 
 # The engine's finish reasons in OpenAI's words.
 FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length", "context_length": "length"}

@@ -3,7 +3,7 @@
 Every image shows one shape (``SHAPES``) in one palette colour (``COLOURS``), at one of two sizes (``SIZES``) and one
 of five named positions (``POSITIONS``), on a light, lightly graded background. 4 × 6 × 2 × 5 = 240 captions such as
 "a large red circle at the top left". The generative models (VAE, GAN, diffusion) train on it and the attribute
-reader (``services.shapes.reader``) scores their samples against it.
+reader (``genserve.services.shapes.reader``) scores their samples against it.
 
 Splits. ``train`` and ``heldout`` draw from *different RNG streams* of the same seed: the stream is
 ``numpy.random.SeedSequence(seed, spawn_key=(split_index,))`` with ``train`` = 0 and ``heldout`` = 1. The two streams

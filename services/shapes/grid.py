@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from services.shapes.dataset import to_uint8
+from genserve.services.shapes.dataset import to_uint8
 
 
 def image_grid(images: torch.Tensor, n_cols: int | None = None, scale: int = 2, pad: int = 2) -> Image.Image:

@@ -27,7 +27,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from services.shapes.dataset import COLOURS, IMAGE_SIZE, POSITIONS, SHAPES, coverage
+from genserve.services.shapes.dataset import COLOURS, IMAGE_SIZE, POSITIONS, SHAPES, coverage
 
 FG_DISTANCE = 60.0
 CORE_DISTANCE_FRACTION = 0.7  # core pixels: at least this fraction of the component's largest distance from background

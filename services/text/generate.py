@@ -2,7 +2,7 @@
 
     genserve generate [--model-dir PATH] [--chat] [--max-tokens N --temperature T --seed S --json] "PROMPT"
 
-Also runnable as ``python -m services.text.generate``. Without ``--model-dir``: $GENSERVE_TEXT_MODEL, else the
+Also runnable as ``python -m genserve.services.text.generate``. Without ``--model-dir``: $GENSERVE_TEXT_MODEL, else the
 default model once fetched (services/text/default_model.py), else the committed demo model. ``--chat`` sends the
 prompt as a user message through the model's chat template and prints only the answer.
 """
@@ -13,9 +13,10 @@ import argparse
 import json
 import sys
 
-from services.text import default_model
-from services.text.engine import AsyncLLMEngine, PromptTooLong, SamplingParams
-from services.text.tokenizer import NoChatTemplate
+from genserve.services.text import default_model
+from genserve.services.text.engine.async_engine import AsyncLLMEngine
+from genserve.services.text.engine.params import PromptTooLong, SamplingParams
+from genserve.services.text.tokenizer import NoChatTemplate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -21,8 +21,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
-from services.text.config import LlamaConfig
-from shared.blocks.backend import Backend
+from genserve.services.text.config import LlamaConfig
+from genserve.shared.blocks.backend import Backend
 
 SUFFIX = ".gguf"
 # GGUF `general.architecture` -> (our architecture name, q/k rows permuted by llama.cpp, q/k/v biases)
@@ -207,7 +207,7 @@ class GGUFCheckpoint:
     def quant_linear(self, config: LlamaConfig, tensor: ReaderTensor, bias: torch.Tensor | None,
                      backend: Backend) -> torch.nn.Module:
         """A QuantLinear over `tensor`'s own blocks, its rows in HF order; `bias` (HF order) is added after."""
-        from shared.blocks.quant_linear import QuantLinear
+        from genserve.shared.blocks.quant_linear import QuantLinear
 
         out_features, in_features = (int(n) for n in reversed(tensor.shape.tolist()))
         layer = QuantLinear.from_gguf(tensor.tensor_type, tensor.data, (out_features, in_features), bias, backend)

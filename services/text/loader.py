@@ -12,11 +12,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from services.text.config import LlamaConfig, from_hf, to_hf
-from services.text.gguf import GGUFCheckpoint, find_gguf
-from services.text.model import LlamaForCausalLM
-from services.text.quantize import quantize_int8_
-from shared.blocks.backend import Backend
+from genserve.services.text.config import LlamaConfig, from_hf, to_hf
+from genserve.services.text.gguf import GGUFCheckpoint, find_gguf
+from genserve.services.text.model import LlamaForCausalLM
+from genserve.services.text.quantize import quantize_int8_
+from genserve.shared.blocks.backend import Backend
 
 INDEX_NAME = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -67,7 +67,7 @@ def load_model(directory: str | Path | GGUFCheckpoint, dtype: str | None = "floa
     ``GGUFCheckpoint``) and load its weights strictly.
 
     ``dtype``: "float32" | "bfloat16" | "float16", or None for the checkpoint's own dtype (float32 for GGUF);
-    "int8" loads float32 and quantises every linear layer to int8 weights (``services.text.quantize``).
+    "int8" loads float32 and quantises every linear layer to int8 weights (``genserve.services.text.quantize``).
     ``keep_quantized`` (GGUF only): projections and the LM head stored as Q8_0/Q4_0/Q4_1 stay in the file's blocks
     (QuantLinear, the product dequantises inside its kernel); the rest is in ``dtype``.
     """

@@ -1,5 +1,5 @@
 """The Llama-family decoder (Llama, Mistral, Qwen2, and our own models with the seed's options), built from
-``shared.blocks``: RMSNorm pre-norm (Def. 19), RoPE (Def. 15) with the checkpoint's theta and scaling, GQA
+``genserve.shared.blocks``: RMSNorm pre-norm (Def. 19), RoPE (Def. 15) with the checkpoint's theta and scaling, GQA
 (Def. 17), SwiGLU (Def. 20), optional q/k/v bias, sliding-window attention, gated attention (Def. 18) and the
 parallel block (Def. 21).
 
@@ -13,16 +13,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from services.text.config import LlamaConfig
-from services.text.paged import PagedBatch, PrefillChunk
-from services.text.quantize import Int8Linear
-from shared.blocks.attention import MultiHeadAttention
-from shared.blocks.backend import Backend, get_backend
-from shared.blocks.ffn import SwiGLU
-from shared.blocks.linear import Linear
-from shared.blocks.norms import RMSNorm
-from shared.blocks.quant_linear import QuantLinear
-from shared.blocks.rope import RoPE, RopeScaling
+from genserve.services.text.config import LlamaConfig
+from genserve.services.text.quantize import Int8Linear
+from genserve.shared.blocks.attention import MultiHeadAttention
+from genserve.shared.blocks.backend import Backend, get_backend
+from genserve.shared.blocks.ffn import SwiGLU
+from genserve.shared.blocks.linear import Linear
+from genserve.shared.blocks.norms import RMSNorm
+from genserve.shared.blocks.paged import PagedBatch
+from genserve.shared.blocks.quant_linear import QuantLinear
+from genserve.shared.blocks.rope import RoPE, RopeScaling
 
 
 class DecoderLayer(nn.Module):
@@ -57,7 +57,7 @@ class DecoderLayer(nn.Module):
 
 def _ffn(cfg: LlamaConfig, backend: Backend) -> nn.Module:
     if cfg.n_experts:
-        from shared.blocks.moe import MoE
+        from genserve.shared.blocks.moe import MoE
 
         return MoE(cfg.dim, n_experts=cfg.n_experts, top_k=cfg.n_experts_per_token, hidden_dim=cfg.ffn_hidden)
     return SwiGLU(cfg.dim, cfg.ffn_hidden, backend=backend)
@@ -128,53 +128,7 @@ class LlamaForCausalLM(nn.Module):
         rope = cos[batch.positions], sin[batch.positions]  # (N, D/2): one row per token, gathered once per step
 
         def attend(i: int, attn: MultiHeadAttention, h: torch.Tensor) -> torch.Tensor:
-            return self._paged_attention(attn, h, batch, rope, k_caches[i], v_caches[i])
+            return attn.forward_paged(h, batch, rope, k_caches[i], v_caches[i], window=self.config.sliding_window)
 
         # (S, dim): the final norm and the LM head only where a token is sampled
         return self.lm_head(self.model(batch.input_ids, attend, rows=batch.logits_index))
-
-    def _paged_attention(self, attn: MultiHeadAttention, h: torch.Tensor, batch: PagedBatch,
-                         rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor
-                         ) -> torch.Tensor:
-        n = h.shape[0]
-        hq, hkv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        q = attn.q_proj(h).view(n, hq, d).transpose(0, 1)[None]  # (1, Hq, N, D)
-        k = attn.k_proj(h).view(n, hkv, d).transpose(0, 1)[None]  # (1, Hkv, N, D)
-        v = attn.v_proj(h).view(n, hkv, d).transpose(0, 1)[None]
-        q, k = attn.backend.apply_rope(q, k, *rope, None, interleaved=attn.rope_interleaved)
-        k_cache.view(-1, hkv, d).index_copy_(0, batch.slots, k[0].transpose(0, 1))  # (N, Hkv, D) into slots
-        v_cache.view(-1, hkv, d).index_copy_(0, batch.slots, v[0].transpose(0, 1))
-        out = torch.empty_like(q)  # (1, Hq, N, D)
-        if batch.n_decode:
-            qd = q[0, :, : batch.n_decode].transpose(0, 1)  # (Bd, Hq, D)
-            od = attn.backend.paged_decode(qd, k_cache, v_cache, batch.decode_tables, batch.decode_lens,
-                                           sm_scale=attn.sm_scale, window=self.config.sliding_window)
-            out[0, :, : batch.n_decode] = od.transpose(0, 1)
-        for c in batch.prefills:
-            qc = q[:, :, c.offset : c.offset + c.length]  # (1, Hq, n, D)
-            out[:, :, c.offset : c.offset + c.length] = self._prefill_attention(attn, qc, k, v, c, k_cache, v_cache)
-        o = out[0].transpose(0, 1).reshape(n, hq * d)  # (N, Hq*D)
-        if attn.gate_proj is not None:
-            o = o * torch.sigmoid(attn.gate_proj(h))
-        return attn.o_proj(o)
-
-    def _prefill_attention(self, attn: MultiHeadAttention, qc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           c: PrefillChunk, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """One prefill chunk's queries (1, Hq, n, D) against its keys 0..context_len-1 (bottom-right causal)."""
-        window = self.config.sliding_window
-        if c.start == 0:
-            kc, vc = k[:, :, c.offset : c.offset + c.length], v[:, :, c.offset : c.offset + c.length]
-            k_start = 0
-        else:
-            k_start = max(0, c.start - window + 1) if window else 0
-            bs = k_cache.shape[1]
-            kc = _gather(k_cache, c.table, k_start, c.context_len, bs)
-            vc = _gather(v_cache, c.table, k_start, c.context_len, bs)
-        return attn.backend.attend(qc, kc, vc, causal=True, sm_scale=attn.sm_scale, window=window)
-
-
-def _gather(cache: torch.Tensor, table: torch.Tensor, start: int, end: int, block_size: int) -> torch.Tensor:
-    """Positions start..end-1 of one sequence out of a paged cache -> (1, Hkv, end-start, D)."""
-    pos = torch.arange(start, end, device=cache.device)
-    slots = table[pos // block_size] * block_size + pos % block_size
-    return cache.view(-1, cache.shape[2], cache.shape[3])[slots].transpose(0, 1)[None]

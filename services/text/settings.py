@@ -8,9 +8,9 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from services.common.builder import AppArgs
-from services.text.engine import EngineConfig
-from services.text.engine.progress import DEFAULT_STALL_S
+from genserve.services.common.builder import AppArgs
+from genserve.services.text.engine.engine import EngineConfig
+from genserve.services.text.engine.progress import DEFAULT_STALL_S
 
 
 class TextArgs(AppArgs):

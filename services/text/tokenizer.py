@@ -16,14 +16,11 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from services.text.gguf import GGUFCheckpoint, find_gguf
-from services.text.gguf_tokenizer import gguf_tokenizer
+from genserve.services.text.engine.params import NoChatTemplate
+from genserve.services.text.gguf import GGUFCheckpoint, find_gguf
+from genserve.services.text.gguf_tokenizer import gguf_tokenizer
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
-
-
-class NoChatTemplate(RuntimeError):
-    """The model ships no chat template, so `messages` cannot be formatted (FAILED_PRECONDITION)."""
 
 
 def _token_text(value: object) -> str | None:

@@ -1,9 +1,9 @@
 """``genserve train text``: train the demo language model on the Python documentation every install carries.
 
-Byte-level BPE (``tokenizers``) over ``services.text.corpus``, a small Llama-style decoder, AdamW with warmup and
-cosine decay over a step or time budget, held-out validation in bits per byte, and an HF-layout checkpoint
+Byte-level BPE (``tokenizers``) over ``genserve.services.text.corpus``, a small Llama-style decoder, AdamW with warmup
+and cosine decay over a step or time budget, held-out validation in bits per byte, and an HF-layout checkpoint
 (config.json, model.safetensors, tokenizer.json, tokenizer_config.json, training.json) that the text service
-loads by default. Also runnable as ``python -m services.text.train``.
+loads by default. Also runnable as ``python -m genserve.services.text.train``.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 
-from services.text import corpus
-from services.text.config import LlamaConfig
-from services.text.loader import load_model, save_model
-from services.text.model import LlamaForCausalLM
+from genserve.services.text import corpus
+from genserve.services.text.config import LlamaConfig
+from genserve.services.text.loader import load_model, save_model
+from genserve.services.text.model import LlamaForCausalLM
 
 EOS = "<|endoftext|>"
 DEFAULT_OUT = Path(__file__).resolve().parent / "weights"

@@ -17,24 +17,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from genserve.v1 import common_pb2, vae_pb2
 from grpc_health.v1 import health_pb2
 from pydantic import Field
 from ray import serve
 from ray.serve.deployment import Application
 
-from services.common import health
-from services.common.batcher import BatchArgs, Batcher, rows_by_shape
-from services.common.builder import build_app
-from services.common.device import serving_device
-from services.common.errors import InvalidArgument
-from services.common.gate import Gate
-from services.common.images import MAX_PIXELS, from_png, images_response, tensor_from_message, tensor_message
-from services.common.metrics import ServiceMetrics
-from services.common.rpc import unary, unknown_rpcs
-from services.common.validation import Request, parse, resolve_seed
-from services.vae.autoencoder_kl import is_autoencoder_kl, load_autoencoder_kl
-from services.vae.model import VAE, load_vae
+from genserve.services.common import health
+from genserve.services.common.batcher import BatchArgs, Batcher, rows_by_shape
+from genserve.services.common.builder import build_app
+from genserve.services.common.device import serving_device
+from genserve.services.common.errors import InvalidArgument
+from genserve.services.common.gate import Gate
+from genserve.services.common.images import MAX_PIXELS, from_png, images_response, tensor_from_message, tensor_message
+from genserve.services.common.metrics import ServiceMetrics
+from genserve.services.common.rpc import unary, unknown_rpcs
+from genserve.services.common.validation import Request, parse, resolve_seed
+from genserve.services.vae.model import load_vae
+from genserve.shared.blocks.autoencoder import VAE
+from genserve.shared.blocks.autoencoder_kl import is_autoencoder_kl, load_autoencoder_kl
+from genserve.v1 import common_pb2, vae_pb2
 
 SERVICE = "genserve.v1.Vae"
 MAX_IMAGES = 64

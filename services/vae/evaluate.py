@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from services.shapes.dataset import sample_batch
-from services.shapes.reader import accuracy, read_batch
-from services.vae.model import VAE
+from genserve.services.shapes.dataset import sample_batch
+from genserve.services.shapes.reader import accuracy, read_batch
+from genserve.shared.blocks.autoencoder import VAE
 
 
 def psnr(reference: torch.Tensor, estimate: torch.Tensor) -> float:

@@ -1,4 +1,5 @@
-"""``genserve train vae``: train the autoencoder on freshly rendered shapes (also ``python -m services.vae.train``).
+"""``genserve train vae``: train the autoencoder on freshly rendered shapes
+(also ``python -m genserve.services.vae.train``).
 
 Seeded: step s trains on ``sample_batch(batch_size, seed=seed·10⁶ + s)``, so a resumed run sees the same data as an
 uninterrupted one. Resumable: the run directory holds the latest checkpoint (config.json + model.safetensors) and the
@@ -21,12 +22,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from services.shapes.dataset import sample_batch
-from services.shapes.grid import save_grid
-from services.shapes.train_state import has_train_state, load_train_state, save_train_state
-from services.vae.evaluate import evaluate, reconstruct_in_batches
-from services.vae.model import DEFAULT_WEIGHTS, VAE, VAEConfig
-from shared.checkpoint import load_weights, read_config, save_checkpoint
+from genserve.services.shapes.dataset import sample_batch
+from genserve.services.shapes.grid import save_grid
+from genserve.services.shapes.train_state import has_train_state, load_train_state, save_train_state
+from genserve.services.vae.evaluate import evaluate, reconstruct_in_batches
+from genserve.services.vae.model import DEFAULT_WEIGHTS
+from genserve.shared.blocks.autoencoder import VAE, VAEConfig
+from genserve.shared.checkpoint import load_weights, read_config, save_checkpoint
 
 DATA_SEED_STRIDE = 1_000_000
 

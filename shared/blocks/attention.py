@@ -3,7 +3,10 @@ GQA in between, MQA when n_kv_heads = 1), optional RoPE (Def. 15), a KV cache (D
 output gate of gated attention (Def. 18).
 
 Submodule names follow HF Llama/Qwen2 (`q_proj`, `k_proj`, `v_proj`, `o_proj`) so checkpoints map 1:1. The compute
-goes through a backend (shared/blocks/backend.py); the module itself never looks at devices.
+goes through a backend (shared/blocks/backend.py); the module itself never looks at devices. `forward` attends over
+dense (B, T) batches (training, parity, the image models); `forward_paged` over the serving engine's flat batch and
+paged K/V cache (shared/blocks/paged.py). Both share the projections, RoPE, the gate and the output projection; only
+the attention over keys differs: the backend's `attend` for dense and prefill rows, `paged_decode` for decode rows.
 """
 
 from __future__ import annotations
@@ -13,11 +16,12 @@ import math
 import torch
 from torch import nn
 
-from shared.blocks.backend import Backend, get_backend
-from shared.blocks.kv_cache import KVCache
-from shared.blocks.linear import Linear
-from shared.blocks.masks import causal_mask
-from shared.blocks.sdpa import scaled_dot_product_attention
+from genserve.shared.blocks.backend import Backend, get_backend
+from genserve.shared.blocks.kv_cache import KVCache
+from genserve.shared.blocks.linear import Linear
+from genserve.shared.blocks.masks import causal_mask
+from genserve.shared.blocks.paged import PagedBatch, PrefillChunk, gather
+from genserve.shared.blocks.sdpa import scaled_dot_product_attention
 
 
 class MultiHeadAttention(nn.Module):
@@ -78,10 +82,8 @@ class MultiHeadAttention(nn.Module):
         (B, H, T, Nk), combined with the causal mask when `causal`; it routes through the written-out attention.
         window: a sliding attention window (causal only), passed to the backend.
         """
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
-        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        t = x.shape[1]
+        q, k, v = self._project(x)  # (B, Hq, T, D), (B, Hkv, T, D), (B, Hkv, T, D)
         if rope is not None:
             if positions is None:
                 start = kv_cache.length if kv_cache is not None else 0
@@ -94,7 +96,51 @@ class MultiHeadAttention(nn.Module):
         else:
             mask = attn_mask & causal_mask(t, k.shape[2], x.device) if causal else attn_mask
             o = scaled_dot_product_attention(q, k, v, mask, sm_scale=self.sm_scale)
-        o = o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (B, T, Hq*D)
+        return self._output(o, x)
+
+    def forward_paged(self, x: torch.Tensor, batch: PagedBatch, rope: tuple[torch.Tensor, torch.Tensor],
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, *, window: int = 0) -> torch.Tensor:
+        """x (N, dim), the flat batch's tokens -> (N, dim). rope: (cos, sin) rows of each token's position (N, D/2).
+        Writes every token's K/V into its cache slot, then attends: decode tokens over their sequences' cached keys
+        (`paged_decode`), each prefill chunk over its own keys and, past its first chunk, the cached ones before it
+        (bottom-right causal)."""
+        q, k, v = (t[None] for t in self._project(x))  # (1, Hq, N, D), (1, Hkv, N, D), (1, Hkv, N, D)
+        q, k = self.backend.apply_rope(q, k, *rope, None, interleaved=self.rope_interleaved)
+        hkv, d = self.n_kv_heads, self.head_dim
+        k_cache.view(-1, hkv, d).index_copy_(0, batch.slots, k[0].transpose(0, 1))  # (N, Hkv, D) into slots
+        v_cache.view(-1, hkv, d).index_copy_(0, batch.slots, v[0].transpose(0, 1))
+        out = torch.empty_like(q)  # (1, Hq, N, D)
+        if batch.n_decode:
+            qd = q[0, :, : batch.n_decode].transpose(0, 1)  # (Bd, Hq, D)
+            od = self.backend.paged_decode(qd, k_cache, v_cache, batch.decode_tables, batch.decode_lens,
+                                           sm_scale=self.sm_scale, window=window)
+            out[0, :, : batch.n_decode] = od.transpose(0, 1)
+        for c in batch.prefills:
+            rows = slice(c.offset, c.offset + c.length)
+            out[:, :, rows] = self._prefill(q[:, :, rows], k, v, c, k_cache, v_cache, window)
+        return self._output(out[0], x)
+
+    def _prefill(self, qc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: PrefillChunk, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, window: int) -> torch.Tensor:
+        """One prefill chunk's queries (1, Hq, n, D) against its keys 0..context_len-1 (bottom-right causal)."""
+        if c.start == 0:
+            kc, vc = k[:, :, c.offset : c.offset + c.length], v[:, :, c.offset : c.offset + c.length]
+        else:
+            k_start = max(0, c.start - window + 1) if window else 0
+            kc = gather(k_cache, c.table, k_start, c.context_len)
+            vc = gather(v_cache, c.table, k_start, c.context_len)
+        return self.backend.attend(qc, kc, vc, causal=True, sm_scale=self.sm_scale, window=window)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (..., T, dim) -> q (..., Hq, T, D), k and v (..., Hkv, T, D)."""
+        q = self.q_proj(x).unflatten(-1, (self.n_heads, self.head_dim)).transpose(-3, -2)
+        k = self.k_proj(x).unflatten(-1, (self.n_kv_heads, self.head_dim)).transpose(-3, -2)
+        v = self.v_proj(x).unflatten(-1, (self.n_kv_heads, self.head_dim)).transpose(-3, -2)
+        return q, k, v
+
+    def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The heads o (..., Hq, T, D) concatenated (..., T, Hq*D), gated by x when gated, through W^O."""
+        o = o.transpose(-3, -2).flatten(-2)
         if self.gate_proj is not None:
             o = o * torch.sigmoid(self.gate_proj(x))
         return self.o_proj(o)

@@ -14,7 +14,7 @@ contract in docs/architecture.md):
 - apply_rope(q, k, cos, sin, positions, *, interleaved=False): (q, k) rotated; cos/sin are (P, D/2) tables;
 - linear(x, weight, bias=None): y = x W^T + b, weight (N, K) as in nn.Linear;
 - quant_linear(x, blocks, qtype, bias=None): the same with W kept in GGUF's quantised blocks (Q8_0, Q4_0, Q4_1):
-  blocks uint8 (N, K / 32 * block bytes), qtype a name or GGML type id (shared/blocks/quant_formats.py);
+  blocks uint8 (N, K / 32 * block bytes), qtype a name or GGML type id (kernels/quant_formats.py);
 - conv2d(x, weight, bias=None, *, stride, padding, prepared=None): F.conv2d with dilation 1 and groups 1; `prepared`
   is the calling module's `PreparedWeights`, where a backend may keep the weight in the layout its compute wants;
 - group_norm(x, groups, weight=None, bias=None, eps=1e-5, *, silu=False): F.group_norm, then F.silu when `silu`;
@@ -43,14 +43,14 @@ import os
 import torch
 import torch.nn.functional as F
 
-from shared.blocks import rope as _rope
-from shared.blocks.masks import causal_mask, sliding_window_mask
-from shared.blocks.quant_formats import dequantize
-from shared.blocks.sdpa import scaled_dot_product_attention
+from genserve.kernels.quant_formats import dequantize
+from genserve.shared.blocks import rope as _rope
+from genserve.shared.blocks.masks import causal_mask, sliding_window_mask
+from genserve.shared.blocks.sdpa import scaled_dot_product_attention
 
 BACKEND_NAMES = ("auto", "reference", "torch", "triton")
 ENV_VAR = "GENSERVE_BACKEND"
-_GEMV_MAX_ROWS = 8  # kernels.cpu_gemv.MAX_ROWS, repeated so that larger products never import the kernels package
+_GEMV_MAX_ROWS = 8  # kernels/cpu_gemv.py's MAX_ROWS, repeated so that larger products never import the kernels package
 
 
 def _gather_paged(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -157,7 +157,7 @@ class TorchBackend(ReferenceBackend):
     def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None, window: int = 0
                      ) -> torch.Tensor:
         if q.device.type == "cpu" and not window and not _needs_grad(q):
-            from kernels import cpu_paged_decode
+            from genserve.kernels import cpu_paged_decode
 
             if cpu_paged_decode.supports(q, k_cache, v_cache):
                 return cpu_paged_decode.paged_decode(q, k_cache, v_cache, block_tables, context_lens,
@@ -181,7 +181,7 @@ class TorchBackend(ReferenceBackend):
     def linear(self, x, weight, bias=None) -> torch.Tensor:
         few_rows = x.device.type == "cpu" and x.numel() <= _GEMV_MAX_ROWS * x.shape[-1]
         if few_rows and not _needs_grad(x, weight, bias):
-            from kernels import cpu_gemv  # imported on the first decode-sized call only
+            from genserve.kernels import cpu_gemv  # imported on the first decode-sized call only
 
             if cpu_gemv.supports(x, weight):
                 return cpu_gemv.gemv(x, weight, bias)
@@ -189,7 +189,7 @@ class TorchBackend(ReferenceBackend):
 
     def quant_linear(self, x, blocks, qtype, bias=None) -> torch.Tensor:
         if x.device.type == "cpu" and not _needs_grad(x, bias):
-            from kernels import cpu_quant
+            from genserve.kernels import cpu_quant
 
             if cpu_quant.supports(x, blocks):
                 return cpu_quant.linear(x, blocks, qtype, bias)
@@ -197,7 +197,7 @@ class TorchBackend(ReferenceBackend):
 
     def conv2d(self, x, weight, bias=None, *, stride, padding, prepared=None) -> torch.Tensor:
         if x.device.type == "cpu" and not _needs_grad(x, weight, bias):
-            from kernels import cpu_conv
+            from genserve.kernels import cpu_conv
 
             # the path depends on one image's size, never on the batch's: batched images stay bit-identical
             if prepared is not None and cpu_conv.supports(x, weight, stride, padding):
@@ -208,7 +208,7 @@ class TorchBackend(ReferenceBackend):
 
     def group_norm(self, x, groups: int, weight=None, bias=None, eps: float = 1e-5, *, silu: bool = False):
         if x.device.type == "cpu" and not _needs_grad(x, weight, bias):
-            from kernels import cpu_group_norm
+            from genserve.kernels import cpu_group_norm
 
             if cpu_group_norm.supports(x):
                 return cpu_group_norm.group_norm(x, groups, weight, bias, eps, silu=silu)
@@ -217,7 +217,7 @@ class TorchBackend(ReferenceBackend):
     def spatial_transformer(self, x, block, context) -> torch.Tensor | None:
         if x.device.type != "cpu" or block.training or not block.fusable or _needs_grad(x, block.proj_in.weight):
             return None
-        from kernels import cpu_spatial_transformer
+        from genserve.kernels import cpu_spatial_transformer
 
         if not cpu_spatial_transformer.supports(x):
             return None
@@ -247,7 +247,7 @@ class TritonBackend:
     @property
     def kernels(self):
         if self._kernels is None:
-            import kernels
+            from genserve import kernels
 
             self._kernels = kernels
         return self._kernels

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shared.blocks.activations import ACTIVATION_NAMES
-from shared.blocks.transformer import TransformerBlock, TransformerBlockConfig
+from genserve.shared.blocks.activations import ACTIVATION_NAMES
+from genserve.shared.blocks.transformer import TransformerBlock, TransformerBlockConfig
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.blocks.backend import Backend, PreparedWeights, get_backend
+from genserve.shared.blocks.backend import Backend, PreparedWeights, get_backend
 
 
 def conv_out(n: int, k: int, s: int = 1, p: int = 0, dilation: int = 1) -> int:

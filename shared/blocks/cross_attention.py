@@ -15,7 +15,7 @@ import math
 import torch
 from torch import nn
 
-from shared.blocks.backend import Backend, get_backend
+from genserve.shared.blocks.backend import Backend, get_backend
 
 
 class CrossAttention(nn.Module):

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from shared.blocks.activations import activation
-from shared.blocks.backend import Backend
-from shared.blocks.linear import Linear
+from genserve.shared.blocks.activations import activation
+from genserve.shared.blocks.backend import Backend
+from genserve.shared.blocks.linear import Linear
 
 
 class MLP(nn.Module):

@@ -16,8 +16,8 @@ import math
 import torch
 from torch import nn
 
-from shared.blocks.backend import Backend, get_backend
-from shared.blocks.norms import RMSNorm
+from genserve.shared.blocks.backend import Backend, get_backend
+from genserve.shared.blocks.norms import RMSNorm
 
 
 class LatentKVCache(nn.Module):

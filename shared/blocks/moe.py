@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shared.blocks.ffn import SwiGLU
+from genserve.shared.blocks.ffn import SwiGLU
 
 
 def load_balancing_loss(probs: torch.Tensor, topk_idx: torch.Tensor, n_experts: int) -> torch.Tensor:

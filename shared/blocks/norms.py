@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shared.blocks.backend import Backend, get_backend
+from genserve.shared.blocks.backend import Backend, get_backend
 
 
 class RMSNorm(nn.Module):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shared.blocks.activations import activation
+from genserve.shared.blocks.activations import activation
 
 
 class RNNCell(nn.Module):

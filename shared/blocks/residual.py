@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.blocks.conv import Conv2d
-from shared.blocks.norms import group_norm
+from genserve.shared.blocks.conv import Conv2d
+from genserve.shared.blocks.norms import group_norm
 
 
 class ResBlock(nn.Module):

@@ -180,7 +180,8 @@ def apply_rope(
     """Rotate q (B, Hq, T, D) and k (B, Hk, T, D) by R_Theta,m (ROPE QK); returns new tensors.
 
     cos/sin are (P, D/2) tables. With `positions` ((T,) or (B, T) ints) rows are gathered from the tables; without,
-    tokens take rows 0..T-1 (as kernels.apply_rope does), or the tables already hold one row per token (B, T, D/2).
+    tokens take rows 0..T-1 (as genserve.kernels.apply_rope does), or the tables already hold one row per token (B, T,
+    D/2).
     """
     if positions is not None:
         cos, sin = cos[positions], sin[positions]

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shared.blocks.cross_attention import CrossAttention
-from shared.blocks.norms import group_norm
+from genserve.shared.blocks.cross_attention import CrossAttention
+from genserve.shared.blocks.norms import group_norm
 
 
 class SpatialSelfAttention(nn.Module):

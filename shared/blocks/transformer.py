@@ -16,12 +16,12 @@ from typing import Literal
 import torch
 from torch import nn
 
-from shared.blocks.attention import MultiHeadAttention
-from shared.blocks.backend import Backend
-from shared.blocks.ffn import GeluFFN, SwiGLU
-from shared.blocks.kv_cache import KVCache
-from shared.blocks.moe import MoE
-from shared.blocks.norms import norm
+from genserve.shared.blocks.attention import MultiHeadAttention
+from genserve.shared.blocks.backend import Backend
+from genserve.shared.blocks.ffn import GeluFFN, SwiGLU
+from genserve.shared.blocks.kv_cache import KVCache
+from genserve.shared.blocks.moe import MoE
+from genserve.shared.blocks.norms import norm
 
 BlockKind = Literal["post_norm", "pre_norm", "parallel"]
 

@@ -21,13 +21,13 @@ from typing import Literal
 import torch
 from torch import nn
 
-from shared.blocks.backend import Backend, PreparedWeights, get_backend
-from shared.blocks.conv import Conv2d, Downsample, Upsample
-from shared.blocks.cross_attention import ContextCache, CrossAttention
-from shared.blocks.ffn import GegluFFN, GeluFFN
-from shared.blocks.norms import group_norm
-from shared.blocks.positions import TimestepEmbedding, timestep_embedding
-from shared.blocks.residual import ResBlock
+from genserve.shared.blocks.backend import Backend, PreparedWeights, get_backend
+from genserve.shared.blocks.conv import Conv2d, Downsample, Upsample
+from genserve.shared.blocks.cross_attention import ContextCache, CrossAttention
+from genserve.shared.blocks.ffn import GegluFFN, GeluFFN
+from genserve.shared.blocks.norms import group_norm
+from genserve.shared.blocks.positions import TimestepEmbedding, timestep_embedding
+from genserve.shared.blocks.residual import ResBlock
 
 Context = torch.Tensor | ContextCache | None  # (B, M, cross_attention_dim), its cache, or None without text
 
@@ -149,7 +149,7 @@ class SpatialTransformer(nn.Module):
         return isinstance(self.transformer_blocks[0].ff, GeluFFN)
 
     def kernel_weights(self) -> dict:
-        """The parameters and sizes under the argument names of kernels.cpu_spatial_transformer.BlockWeights."""
+        """The parameters and sizes under the argument names of kernels/cpu_spatial_transformer.py's BlockWeights."""
         block = self.transformer_blocks[0]
         attn1, attn2, ff = block.attn1, block.attn2, block.ff
         weights = dict(

@@ -17,8 +17,6 @@ sys.path.insert(0, str(ROOT / "tests" / "services" / "text"))
 from gguf_helpers import write_gguf  # noqa: E402
 from text_helpers import byte_tokenizer, hf_model  # noqa: E402
 
-pytest.importorskip("transformers")
-
 
 @pytest.mark.slow
 def test_lm_bench_on_a_gguf_file_prints_every_row_and_goal(tmp_path: Path) -> None:

@@ -9,19 +9,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.blocks.attention import MultiHeadAttention
-from shared.blocks.backend import get_backend
-from shared.blocks.cross_attention import ContextCache, CrossAttention
-from shared.blocks.kv_cache import KVCache
-from shared.blocks.masks import (
+from genserve.shared.blocks.attention import MultiHeadAttention
+from genserve.shared.blocks.backend import get_backend
+from genserve.shared.blocks.cross_attention import ContextCache, CrossAttention
+from genserve.shared.blocks.kv_cache import KVCache
+from genserve.shared.blocks.masks import (
     causal_mask,
     padding_mask,
     prefix_bidirectional_mask,
     sliding_window_mask,
     to_additive,
 )
-from shared.blocks.rope import rope_cos_sin
-from shared.blocks.sdpa import scaled_dot_product_attention
+from genserve.shared.blocks.rope import rope_cos_sin
+from genserve.shared.blocks.sdpa import scaled_dot_product_attention
 
 BACKENDS = ["reference", "torch"]
 
@@ -238,7 +238,7 @@ def test_cross_attention_equation() -> None:
 
 
 def test_cross_attention_matches_diffusers_attention() -> None:
-    attention_processor = pytest.importorskip("diffusers.models.attention_processor")
+    from diffusers.models import attention_processor
     ref = attention_processor.Attention(query_dim=16, cross_attention_dim=12, heads=2, dim_head=8)
     ours = CrossAttention(16, 12, n_heads=2, head_dim=8)
     ours.load_state_dict(ref.state_dict())

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.blocks.backend import AutoBackend, ReferenceBackend, TorchBackend, get_backend
-from shared.blocks.rope import rope_cos_sin
+from genserve.shared.blocks.backend import AutoBackend, ReferenceBackend, TorchBackend, get_backend
+from genserve.shared.blocks.rope import rope_cos_sin
 
 
 @pytest.fixture
@@ -53,7 +53,7 @@ def test_paged_decode_equals_attention_over_the_gathered_sequence(ref, fused) ->
 @pytest.mark.parametrize("grad", [False, True])
 def test_conv2d_and_group_norm_reference_equal_torch(ref, fused, grad) -> None:
     """The torch backend runs both on its CPU kernels for inference and on torch ops when a gradient is needed."""
-    from shared.blocks.backend import PreparedWeights
+    from genserve.shared.blocks.backend import PreparedWeights
 
     x, w, b = torch.randn(2, 16, 6, 6), torch.randn(32, 16, 3, 3, requires_grad=grad), torch.randn(32)
     with torch.set_grad_enabled(grad):
@@ -135,7 +135,7 @@ def test_auto_keeps_autograd_on_cuda_and_runs_the_kernels_without_it(ref) -> Non
 def test_sliding_window_attention_agrees_across_backends(ref, name, window) -> None:
     """attend(window=) and paged_decode(window=) against the reference's one window mask (masks.py)."""
     if name == "triton":
-        pytest.importorskip("triton")
+        pytest.importorskip("triton", reason="triton is not installed on this platform")
     backend = get_backend(name)
     q, k, v = torch.randn(1, 4, 6, 32), torch.randn(1, 2, 11, 32), torch.randn(1, 2, 11, 32)  # chunked prefill
     expected = ref.attend(q, k, v, causal=True, window=window)
@@ -156,7 +156,7 @@ def test_sliding_window_attention_agrees_across_backends(ref, name, window) -> N
 
 def test_triton_backend_agrees_with_reference() -> None:
     """The dispatch wiring to kernels/: on CPU this runs the kernels under TRITON_INTERPRET=1 (tests/conftest.py)."""
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="triton is not installed on this platform")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     tri, ref = get_backend("triton"), get_backend("reference")
     q, k, v = (torch.randn(1, h, n, 64, device=dev) for h, n in ((4, 8), (2, 12), (2, 12)))

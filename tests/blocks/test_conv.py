@@ -6,7 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from shared.blocks.conv import (
+from genserve.shared.blocks.backend import get_backend
+from genserve.shared.blocks.conv import (
+    Conv2d,
     Downsample,
     Upsample,
     conv2d_same,
@@ -54,13 +56,18 @@ def test_checkerboard_rule_of_remark_4() -> None:
     assert has_checkerboard_risk(3, 2) and not has_checkerboard_risk(4, 2)
 
 
-def test_transposed_conv_is_the_adjoint_of_the_conv() -> None:
-    """Def. 8: <conv(x), y> = <x, conv^T(y)> for the same kernel."""
-    w = torch.randn(4, 3, 4, 4)
-    x, y = torch.randn(1, 3, 16, 16), torch.randn(1, 4, 8, 8)
-    lhs = (nn.functional.conv2d(x, w, stride=2, padding=1) * y).sum()
-    rhs = (x * nn.functional.conv_transpose2d(y, w, stride=2, padding=1)).sum()
-    assert torch.allclose(lhs, rhs, rtol=1e-4)
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_the_blocks_transposed_conv_is_the_adjoint_of_their_conv(backend: str) -> None:
+    """Def. 8: <conv(x), y> = <x, conv^T(y)> for the same kernel, with genserve's Conv2d (through each backend,
+    the CPU's prepared oneDNN path included) and the GAN generator's conv_transpose."""
+    conv = Conv2d(3, 4, 4, stride=2, padding=1, bias=False, backend=get_backend(backend))
+    up = conv_transpose(4, 3, kernel_size=4, stride=2, padding=1, bias=False)
+    with torch.no_grad():
+        up.weight.copy_(conv.weight)
+        x, y = torch.randn(1, 3, 16, 16), torch.randn(1, 4, 8, 8)
+        lhs = (conv(x) * y).sum()
+        rhs = (x * up(y)).sum()
+    torch.testing.assert_close(lhs, rhs, rtol=1e-4, atol=1e-4)
 
 
 def test_downsample_and_upsample_shapes_and_names() -> None:
@@ -84,7 +91,7 @@ def test_upsample_is_nearest_then_conv() -> None:
 
 
 def test_downsample_matches_diffusers() -> None:
-    diffusers = pytest.importorskip("diffusers.models.downsampling")
+    from diffusers.models import downsampling as diffusers
     for padding in (1, 0):
         ref = diffusers.Downsample2D(8, use_conv=True, out_channels=8, padding=padding)
         ours = Downsample(8, padding=padding)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.blocks.kv_cache import kv_cache_bytes
+from genserve.shared.blocks.kv_cache import kv_cache_bytes
 
 GiB = 2**30
 

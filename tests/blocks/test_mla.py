@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.blocks.kv_cache import kv_cache_bytes
-from shared.blocks.mla import LatentKVCache, MultiHeadLatentAttention
-from shared.blocks.rope import rope_cos_sin
+from genserve.shared.blocks.kv_cache import kv_cache_bytes
+from genserve.shared.blocks.mla import LatentKVCache, MultiHeadLatentAttention
+from genserve.shared.blocks.rope import rope_cos_sin
 
 DIM, HEADS, D_C, D_NOPE, D_ROPE, D_V = 64, 4, 16, 8, 4, 8
 
 
 def _mla(backend: str = "torch") -> MultiHeadLatentAttention:
-    from shared.blocks.backend import get_backend
+    from genserve.shared.blocks.backend import get_backend
 
     return MultiHeadLatentAttention(DIM, HEADS, D_C, D_NOPE, D_ROPE, D_V, backend=get_backend(backend))
 

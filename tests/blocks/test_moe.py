@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.blocks.moe import MoE, load_balancing_loss
+from genserve.shared.blocks.moe import MoE, load_balancing_loss
 
 
 def test_every_token_goes_to_exactly_k_experts() -> None:

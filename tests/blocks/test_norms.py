@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.blocks.backend import get_backend
-from shared.blocks.norms import RMSNorm, group_norm, norm
+from genserve.shared.blocks.backend import get_backend
+from genserve.shared.blocks.norms import RMSNorm, group_norm, norm
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch"])

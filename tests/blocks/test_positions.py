@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from shared.blocks.positions import (
+from genserve.shared.blocks.positions import (
     LearnedPositionalEmbedding,
     SinusoidalPositionalEncoding,
     TimestepEmbedding,
@@ -38,7 +38,7 @@ def test_learned_positions_add_a_trainable_table() -> None:
 
 @pytest.mark.parametrize(("flip", "shift"), [(True, 0.0), (False, 1.0)])
 def test_timestep_embedding_matches_diffusers(flip: bool, shift: float) -> None:
-    embeddings = pytest.importorskip("diffusers.models.embeddings")
+    from diffusers.models import embeddings
     t = torch.tensor([0.0, 1.0, 250.5, 999.0])
     ref = embeddings.get_timestep_embedding(t, 32, flip_sin_to_cos=flip, downscale_freq_shift=shift)
     ours = timestep_embedding(t, 32, flip_sin_to_cos=flip, downscale_freq_shift=shift)
@@ -47,7 +47,7 @@ def test_timestep_embedding_matches_diffusers(flip: bool, shift: float) -> None:
 
 
 def test_timestep_mlp_matches_diffusers_names() -> None:
-    embeddings = pytest.importorskip("diffusers.models.embeddings")
+    from diffusers.models import embeddings
     ref = embeddings.TimestepEmbedding(32, 64)
     ours = TimestepEmbedding(32, 64)
     ours.load_state_dict(ref.state_dict())

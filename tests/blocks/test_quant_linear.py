@@ -12,9 +12,9 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from torch import nn
 
-from shared.blocks.backend import get_backend
-from shared.blocks.quant_formats import dequantize, quant_format
-from shared.blocks.quant_linear import QuantLinear
+from genserve.kernels.quant_formats import dequantize, quant_format
+from genserve.shared.blocks.backend import get_backend
+from genserve.shared.blocks.quant_linear import QuantLinear
 
 QTYPES = ("Q8_0", "Q4_0", "Q4_1")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shared.blocks.recurrent import LSTM, RNNCell
+from genserve.shared.blocks.recurrent import LSTM, RNNCell
 
 
 def test_lstm_matches_torch_lstm_with_copied_weights() -> None:

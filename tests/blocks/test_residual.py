@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.blocks.residual import ResBlock
+from genserve.shared.blocks.residual import ResBlock
 
 
 def test_identity_skip_when_the_residual_branch_is_zero() -> None:
@@ -39,7 +39,7 @@ def test_gradient_reaches_the_input_through_the_skip() -> None:
 
 
 def test_matches_diffusers_resnet_block() -> None:
-    resnet = pytest.importorskip("diffusers.models.resnet")
+    from diffusers.models import resnet
     for in_ch, out_ch in ((8, 8), (8, 16)):
         ref = resnet.ResnetBlock2D(in_channels=in_ch, out_channels=out_ch, temb_channels=12, groups=4, eps=1e-6).eval()
         ours = ResBlock(in_ch, out_ch, temb_dim=12, groups=4, eps=1e-6).eval()

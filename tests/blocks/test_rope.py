@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from shared.blocks.rope import (
+from genserve.shared.blocks.rope import (
     RoPE,
     RopeScaling,
     apply_rope,
@@ -109,7 +109,7 @@ HF_CASES = [
 
 @pytest.mark.parametrize("scaling", HF_CASES, ids=lambda s: s["rope_type"] if s else "default")
 def test_matches_transformers_llama_rotary_embedding(scaling: dict | None) -> None:
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
     head_dim, max_pos, theta = 32, 256, 500000.0

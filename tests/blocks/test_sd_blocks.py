@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.blocks.clip_text import CLIPTextConfig, CLIPTextTransformer
-from shared.blocks.ffn import GegluFFN
-from shared.blocks.spatial_attention import SpatialSelfAttention
-from shared.blocks.unet import BasicTransformerBlock
+from genserve.shared.blocks.clip_text import CLIPTextConfig, CLIPTextTransformer
+from genserve.shared.blocks.ffn import GegluFFN
+from genserve.shared.blocks.spatial_attention import SpatialSelfAttention
+from genserve.shared.blocks.unet import BasicTransformerBlock
 
 
 def _copy(ours: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -66,7 +66,7 @@ def test_clip_text_transformer_matches_transformers(act: str) -> None:
     from transformers import CLIPTextConfig as RefConfig
     from transformers import CLIPTextModel
 
-    from services.diffusion.sd_text import _our_name
+    from genserve.services.diffusion.sd_text import _our_name
 
     torch.manual_seed(3)
     ref = CLIPTextModel(RefConfig(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from shared.blocks.masks import causal_mask
-from shared.blocks.tiled_attention import tiled_attention
+from genserve.shared.blocks.masks import causal_mask
+from genserve.shared.blocks.tiled_attention import tiled_attention
 
 
 def _standard(q, k, v, causal: bool, sm_scale: float | None = None) -> torch.Tensor:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.blocks.ffn import GeluFFN, SwiGLU
-from shared.blocks.moe import MoE
-from shared.blocks.rope import rope_cos_sin
-from shared.blocks.transformer import TransformerBlock, TransformerBlockConfig
+from genserve.shared.blocks.ffn import GeluFFN, SwiGLU
+from genserve.shared.blocks.moe import MoE
+from genserve.shared.blocks.rope import rope_cos_sin
+from genserve.shared.blocks.transformer import TransformerBlock, TransformerBlockConfig
 
 
 def _block(**kw) -> TransformerBlock:
@@ -62,7 +62,7 @@ def test_config_validation_names_the_field() -> None:
 
 
 def test_pre_norm_block_matches_transformers_llama_decoder_layer() -> None:
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     cfg = transformers.LlamaConfig(

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from shared.blocks.cross_attention import ContextCache
-from shared.blocks.unet import UNet, UNetConfig
+from genserve.shared.blocks.cross_attention import ContextCache
+from genserve.shared.blocks.unet import UNet, UNetConfig
 
 SMALL = UNetConfig(block_out_channels=(16, 32, 32), layers_per_block=1, attention_levels=(1, 2),
                    cross_attention_dim=24, head_dim=8, norm_groups=8)

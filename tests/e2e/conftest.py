@@ -1,4 +1,4 @@
-"""The local Ray Serve stack, started once per test run: `python -m services.serve` on its own ports.
+"""The local Ray Serve stack, started once per test run: `python -m genserve.services.serve` on its own ports.
 
 Ports default to 9100 (gRPC), 9101 (health), 8100 (HTTP) and 8102 (metrics), away from `make serve` (9000) and
 the load-test stack (9200); GENSERVE_E2E_GRPC_PORT moves the whole block. The stack serves the committed demo
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from services.client import Client
-from services.common.builder import model_dir_env
-from services.serve import READY_LINE
+from genserve.services.client import Client
+from genserve.services.common.builder import model_dir_env
+from genserve.services.serve import READY_LINE
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_TEXT_MODEL = ROOT / "services" / "text" / "weights"
@@ -41,11 +41,12 @@ class Stack:
     log: Path
     http_port: int
     metrics_port: int
-    process: subprocess.Popen | None = None  # `python -m services.serve` itself (a drain test SIGTERMs it)
+    process: subprocess.Popen | None = None  # `python -m genserve.services.serve` itself (a drain test SIGTERMs it)
 
     @property
     def pid(self) -> int:
-        """The `services.serve` pid; its descendants are the stack's Ray processes (tests/load/replica_processes.py)."""
+        """The `genserve.services.serve` pid; its descendants are the stack's Ray processes
+        (tests/load/replica_processes.py)."""
         return self.process.pid if self.process is not None else 0
 
     @property
@@ -126,8 +127,8 @@ def _missing_weights() -> list[str]:
 
 @contextmanager
 def serving(base: int, log: Path, *options: str, env: dict[str, str] | None = None) -> Iterator[Stack]:
-    """`python -m services.serve` on the port block of `base` (gRPC base, health base+1, HTTP base-1000, metrics
-    base-998) with `options` and `env` added, until the block exits; its output goes to `log`."""
+    """`python -m genserve.services.serve` on the port block of `base` (gRPC base, health base+1, HTTP base-1000,
+    metrics base-998) with `options` and `env` added, until the block exits; its output goes to `log`."""
     ports = {"grpc": base, "health": base + 1, "http": base - 1000, "metrics": base - 998}
     busy = [f"{name} {port}" for name, port in ports.items() if not _port_free(port)]
     if busy:
@@ -135,7 +136,7 @@ def serving(base: int, log: Path, *options: str, env: dict[str, str] | None = No
     if "--text-model" not in options:  # the demo model, even when `make` has fetched the default one
         options = (*options, "--text-model", os.environ.get(model_dir_env("text")) or str(DEMO_TEXT_MODEL))
     command = [
-        sys.executable, "-m", "services.serve", "--grpc-port", str(ports["grpc"]),
+        sys.executable, "-P", "-m", "genserve.services.serve", "--grpc-port", str(ports["grpc"]),
         "--health-port", str(ports["health"]), "--http-port", str(ports["http"]),
         "--metrics-port", str(ports["metrics"]), "--timeout", str(START_TIMEOUT_S - 20), *options,
     ]

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from genserve.v1 import diffusion_pb2, gan_pb2, text_pb2, vae_pb2
 from google.protobuf.message import Message
 from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, Phase, given, seed, settings
 
+from genserve.v1 import diffusion_pb2, gan_pb2, text_pb2, vae_pb2
 from tests.e2e.grpc_fuzz_strategies import request_strategy
 from tests.load.replica_processes import pids_by_app
 
@@ -259,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", required=True, help="host:port of a running stack's gRPC proxy")
     parser.add_argument("--per-service", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--stack-pid", type=int, help="the stack's `services.serve` pid, to count replica restarts")
+    parser.add_argument("--stack-pid", type=int,
+                        help="the stack's `genserve.services.serve` pid, to count replica restarts")
     parser.add_argument("--apps", nargs="+", choices=list(APPLICATIONS.values()), default=list(APPLICATIONS.values()))
     args = parser.parse_args(argv)
     run = fuzz(args.target, args.per_service, args.seed, args.stack_pid, args.apps,

@@ -22,10 +22,10 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.client import Client
-from services.client import errors as client_errors
-from services.common.auth import BAD_KEY
-from services.common.deploy_config import LOCAL_PATH
+from genserve.services.client import Client
+from genserve.services.client import errors as client_errors
+from genserve.services.common.auth import BAD_KEY
+from genserve.services.common.deploy_config import LOCAL_PATH
 
 pytestmark = pytest.mark.e2e
 

@@ -10,6 +10,9 @@ from typing import Any
 
 import grpc
 import pytest
+from PIL import Image
+
+from genserve.services.client.requests import float32_tensor
 from genserve.v1 import (
     common_pb2,
     diffusion_pb2,
@@ -21,9 +24,6 @@ from genserve.v1 import (
     vae_pb2,
     vae_pb2_grpc,
 )
-from PIL import Image
-
-from services.client.requests import float32_tensor
 
 pytestmark = pytest.mark.e2e
 

@@ -9,7 +9,7 @@ import urllib.request
 
 import numpy as np
 
-from services.client import AsyncClient, Client
+from genserve.services.client import AsyncClient, Client
 
 N = 12
 

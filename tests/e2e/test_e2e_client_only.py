@@ -46,8 +46,8 @@ def test_cli_and_sdk_call_the_stack_without_torch_or_ray(stack, tmp_path: Path) 
     out = tmp_path / "gan.png"
     done = _client_only(f"""
         import json
-        from services.client import Client
-        from services.client.cli import main
+        from genserve.services.client import Client
+        from genserve.services.client.cli import main
 
         assert main(["--address", "{stack.address}", "gan", "-n", "1", "--seed", "5", "-o", "{out}"]) == 0
         with Client("{stack.address}", timeout=60) as client:

@@ -20,11 +20,11 @@ from typing import Any
 import grpc
 import psutil
 import pytest
-from genserve.v1 import text_pb2, text_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.client import Client
-from services.client.errors import GenserveError
+from genserve.services.client import Client
+from genserve.services.client.errors import GenserveError
+from genserve.v1 import text_pb2, text_pb2_grpc
 
 pytestmark = pytest.mark.e2e
 

@@ -7,7 +7,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.health import SERVICES
+from genserve.services.common.health import SERVICES
 
 pytestmark = pytest.mark.e2e
 

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from services.client import Client
+from genserve.services.client import Client
 
 pytestmark = pytest.mark.e2e
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from services.http.schemas import MAX_BODY_BYTES
+from genserve.services.http.schemas import MAX_BODY_BYTES
 from tests.e2e.test_e2e_overload import CAPACITY, DIFFUSION, EXTRA, PATIENCE_S, SPACING_S
 
 pytestmark = pytest.mark.e2e

@@ -16,7 +16,7 @@ import openai
 import pytest
 from PIL import Image
 
-from services.client import Client
+from genserve.services.client import Client
 
 pytestmark = pytest.mark.e2e
 

@@ -7,11 +7,11 @@ import time
 
 import grpc
 import pytest
-from genserve.v1 import diffusion_pb2, diffusion_pb2_grpc
 
-from services.client import Client
-from services.client.errors import ResourceExhausted
-from services.common.deploy_config import LOCAL_APPS
+from genserve.services.client import Client
+from genserve.services.client.errors import ResourceExhausted
+from genserve.services.common.deploy_config import LOCAL_APPS
+from genserve.v1 import diffusion_pb2, diffusion_pb2_grpc
 
 pytestmark = pytest.mark.e2e
 

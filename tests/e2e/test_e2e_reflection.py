@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from genserve.v1 import common_pb2, diffusion_pb2, gan_pb2, text_pb2, vae_pb2
 from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from genserve.v1 import common_pb2, diffusion_pb2, gan_pb2, text_pb2, vae_pb2
 
 pytestmark = pytest.mark.e2e
 

@@ -4,17 +4,25 @@ diffusion -> VAE hop."""
 from __future__ import annotations
 
 import io
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from genserve.v1 import common_pb2
+import torch
 from PIL import Image
 
-from services.client import Client
-from services.client.requests import tensor_values
-from services.diffusion.model import DEMO_NEGATIVE_WEIGHT
+from genserve.services.client import Client
+from genserve.services.client.requests import tensor_values
+from genserve.services.common.deploy_config import LOCAL_TEXT_SETTINGS
+from genserve.services.common.weights import committed_weights
+from genserve.services.diffusion.model import DEMO_NEGATIVE_WEIGHT
+from genserve.services.text.engine.kv_cache import block_bytes
+from genserve.services.text.loader import load_model
+from genserve.v1 import common_pb2
+
+DEMO_TEXT_MODEL = committed_weights("text")
 
 pytestmark = pytest.mark.e2e
 
@@ -78,11 +86,22 @@ def test_chat_messages_use_the_template(client: Client) -> None:
     assert reply.prompt_tokens == len(chat.token_ids)
 
 
-def test_model_info(client: Client) -> None:
+def test_model_info_reports_the_served_checkpoint_and_the_settings_that_took_effect(client: Client) -> None:
+    """The stack serves the committed demo model (services/text/weights/config.json) with the CPU serve config's
+    text settings (deploy_config.LOCAL_TEXT_SETTINGS)."""
     info = client.model_info()
-    assert info.vocab_size > 0 and info.max_context > 0 and info.n_params > 0
-    assert 0 <= info.kv_blocks_free <= info.kv_blocks_total
-    assert info.architecture and info.dtype
+    config = json.loads((DEMO_TEXT_MODEL / "config.json").read_text())
+    assert (info.architecture, info.vocab_size, info.max_context) == ("LlamaForCausalLM", 4096, 1024)
+    assert (config["vocab_size"], config["max_position_embeddings"]) == (4096, 1024)
+    assert info.n_params == load_model(DEMO_TEXT_MODEL, "float32").num_params()
+    assert (info.dtype, info.runner, info.device, info.model_path) == ("float32", "cpu", "cpu", str(DEMO_TEXT_MODEL))
+    settings = dict(LOCAL_TEXT_SETTINGS)
+    assert (info.max_batched_tokens, info.max_running, info.max_lookahead, info.prefix_caching) == (
+        settings["max_batched_tokens"], settings["max_running"], settings["max_lookahead"], settings["prefix_caching"])
+    per_block = block_bytes(info.block_size, config["num_hidden_layers"], config["num_key_value_heads"],
+                            config["head_dim"], torch.float32)
+    assert info.kv_cache_bytes == info.kv_blocks_total * per_block > 0
+    assert 0 < info.kv_blocks_free <= info.kv_blocks_total
 
 
 def test_gan_sample_is_seeded(client: Client) -> None:

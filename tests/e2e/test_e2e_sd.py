@@ -16,8 +16,8 @@ import torch
 import yaml
 from PIL import Image
 
-from services.client import Client, GenserveError
-from services.common.deploy_config import LOCAL_PATH
+from genserve.services.client import Client, GenserveError
+from genserve.services.common.deploy_config import LOCAL_PATH
 from tests.services.diffusion.tiny_sd import build_tiny_sd
 
 pytestmark = pytest.mark.e2e

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.client import Client
-from services.common.deploy_config import LOCAL_PATH
+from genserve.services.client import Client
+from genserve.services.common.deploy_config import LOCAL_PATH
 
 KV_BUDGET = 3 * 2**20
 

@@ -7,11 +7,10 @@ import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 
+import jsonschema
 import pytest
 
-from services.client import Client
-
-jsonschema = pytest.importorskip("jsonschema")
+from genserve.services.client import Client
 
 pytestmark = pytest.mark.e2e
 

@@ -1,4 +1,4 @@
-"""TLS on the real stack: `python -m services.serve` with GENSERVE_TLS_CERT/KEY from a throwaway CA made here.
+"""TLS on the real stack: `python -m genserve.services.serve` with GENSERVE_TLS_CERT/KEY from a throwaway CA made here.
 
 gRPC goes through the Caddy that serve.py starts (Serve's own proxy moves to port + 20000), HTTP through Ray's ssl_*
 options. Mutual TLS is checked on the same stack with a second front from services/common/tls_front.py that
@@ -17,11 +17,11 @@ import httpx
 import openai
 import pytest
 
-from services.client import Client, ClientTls
-from services.client.cli import main
-from services.client.errors import InvalidArgument, Unavailable
-from services.common import tls_front
-from services.common.tls_front import Route, TlsFiles
+from genserve.services.client import Client, ClientTls
+from genserve.services.client.cli import main
+from genserve.services.client.errors import InvalidArgument, Unavailable
+from genserve.services.common import tls_front
+from genserve.services.common.tls_front import Route, TlsFiles
 from tests.services.common.tls_certs import Pki, make_pki
 
 pytestmark = pytest.mark.e2e

@@ -7,13 +7,13 @@ import io
 import math
 
 import pytest
-from genserve.v1 import common_pb2, text_pb2
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from hypothesis import find
 from hypothesis import strategies as st
 from PIL import Image
 
+from genserve.v1 import common_pb2, text_pb2
 from tests.e2e.grpc_fuzz import EMPTY_REQUEST_CALLS, LEAK, PROTO_MODULES, Outcome, generate, requests_for, rpcs
 from tests.e2e.grpc_fuzz_strategies import (
     FLOAT32_MAX,

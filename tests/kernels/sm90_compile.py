@@ -24,11 +24,11 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 # kernels/__init__.py re-exports functions named like their modules, so fetch the modules themselves.
-fa = importlib.import_module("kernels.flash_attention")
-pa = importlib.import_module("kernels.paged_attention")
-qm = importlib.import_module("kernels.quant_matmul")
-rn = importlib.import_module("kernels.rms_norm")
-rp = importlib.import_module("kernels.rope")
+fa = importlib.import_module("genserve.kernels.flash_attention")
+pa = importlib.import_module("genserve.kernels.paged_attention")
+qm = importlib.import_module("genserve.kernels.quant_matmul")
+rn = importlib.import_module("genserve.kernels.rms_norm")
+rp = importlib.import_module("genserve.kernels.rope")
 
 TARGET = GPUTarget("cuda", 90, 32)
 FLOAT_ARGS = {"qk_scale", "eps"}

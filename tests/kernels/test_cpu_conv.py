@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_conv
-from shared.blocks.conv import Conv2d
+from genserve.kernels import cpu_conv
+from genserve.shared.blocks.conv import Conv2d
 
 pytestmark = pytest.mark.skipif(not cpu_conv._available(), reason="this torch build has no oneDNN")
 

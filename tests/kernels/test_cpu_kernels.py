@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_gemv, cpu_group_norm, cpu_paged_decode
-from shared.blocks.backend import ReferenceBackend, TorchBackend
+from genserve.kernels import cpu_gemv, cpu_group_norm, cpu_paged_decode
+from genserve.shared.blocks.backend import ReferenceBackend, TorchBackend
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 CPU = torch.device("cpu")
@@ -92,6 +92,6 @@ def test_group_norm_refuses_groups_that_do_not_divide_the_channels():
 
 
 def test_torch_backend_gemv_limit_is_the_kernels():
-    from shared.blocks import backend
+    from genserve.shared.blocks import backend
 
     assert backend._GEMV_MAX_ROWS == cpu_gemv.MAX_ROWS

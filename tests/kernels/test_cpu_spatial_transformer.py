@@ -8,16 +8,16 @@ import pytest
 import torch
 from torch import nn
 
-from kernels import cpu_spatial_transformer
-from shared.blocks.backend import ReferenceBackend, TorchBackend
-from shared.blocks.cross_attention import ContextCache
-from shared.blocks.unet import SpatialTransformer
+from genserve.kernels import cpu_spatial_transformer
+from genserve.shared.blocks.backend import ReferenceBackend, TorchBackend
+from genserve.shared.blocks.cross_attention import ContextCache
+from genserve.shared.blocks.unet import SpatialTransformer
 
 
 @pytest.fixture(autouse=True)
 def _kernel(cpu_kernels) -> None:
     if not cpu_spatial_transformer.available():
-        pytest.skip("this torch exports no BLAS sgemm")
+        pytest.fail("the fused spatial transformer needs the BLAS sgemm that torch exports, and this torch has none")
 
 
 def _block(channels: int = 64, head_dim: int = 32, context_dim: int | None = 24, groups: int = 8,

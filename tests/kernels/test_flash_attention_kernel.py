@@ -1,15 +1,15 @@
-"""kernels.flash_attention against the blocks' tiled-attention reference (Algorithm 3 in torch) and the written-out
-SDPA (Definition 12): interpreted on CPU, compiled on a GPU (tests/kernels/conftest.py)."""
+"""genserve.kernels.flash_attention against the blocks' tiled-attention reference (Algorithm 3 in torch) and the
+written-out SDPA (Definition 12): interpreted on CPU, compiled on a GPU (tests/kernels/conftest.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import flash_attention
-from shared.blocks.masks import causal_mask
-from shared.blocks.sdpa import scaled_dot_product_attention
-from shared.blocks.tiled_attention import tiled_attention
+from genserve.kernels import flash_attention
+from genserve.shared.blocks.masks import causal_mask
+from genserve.shared.blocks.sdpa import scaled_dot_product_attention
+from genserve.shared.blocks.tiled_attention import tiled_attention
 
 # Max abs error against the fp32 reference on the same (rounded) inputs; bf16 also suffers the interpreter's
 # truncating fp32 -> bf16 casts.
@@ -164,7 +164,7 @@ def test_flash_attention_rejects_indivisible_head_groups() -> None:
     pytest.param(30, 30, 200, id="window-wider-than-keys"),
 ])
 def test_flash_attention_sliding_window_matches_the_window_mask(nq, nk, window) -> None:
-    from shared.blocks.masks import sliding_window_mask
+    from genserve.shared.blocks.masks import sliding_window_mask
 
     q, k, v = _inputs(1, 4, 2, nq, nk, 32, torch.float32)
     out = flash_attention(q, k, v, causal=True, window=window)

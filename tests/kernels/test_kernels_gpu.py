@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import apply_rope, flash_attention, paged_decode_attention, rms_norm
-from shared.blocks.backend import get_backend
-from shared.blocks.masks import causal_mask
-from shared.blocks.rope import apply_rope as reference_rope
-from shared.blocks.rope import rope_cos_sin
-from shared.blocks.sdpa import scaled_dot_product_attention
+from genserve.kernels import apply_rope, flash_attention, paged_decode_attention, rms_norm
+from genserve.shared.blocks.backend import get_backend
+from genserve.shared.blocks.masks import causal_mask
+from genserve.shared.blocks.rope import apply_rope as reference_rope
+from genserve.shared.blocks.rope import rope_cos_sin
+from genserve.shared.blocks.sdpa import scaled_dot_product_attention
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,4 +1,4 @@
-"""kernels.paged_decode_attention against the reference backend's paged decode, over block tables with holes,
+"""genserve.kernels.paged_decode_attention against the reference backend's paged decode, over block tables with holes,
 shared prefix blocks and garbage past each sequence's end, with and without split-K."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import paged_decode_attention
-from shared.blocks.backend import get_backend
+from genserve.kernels import paged_decode_attention
+from genserve.shared.blocks.backend import get_backend
 
 TOLERANCES = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 4e-2}
 BLOCK_SIZE = 16

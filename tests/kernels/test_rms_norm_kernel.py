@@ -1,12 +1,12 @@
-"""kernels.rms_norm (Definition 19, residual add fused) against the reference backend."""
+"""genserve.kernels.rms_norm (Definition 19, residual add fused) against the reference backend."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import rms_norm
-from shared.blocks.backend import get_backend
+from genserve.kernels import rms_norm
+from genserve.shared.blocks.backend import get_backend
 
 # (atol, rtol): both sides round to the dtype; bf16 also meets the interpreter's truncating casts.
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (4e-2, 2e-2)}

@@ -1,13 +1,14 @@
-"""kernels.apply_rope (Definition 15) against the blocks' RoPE, in both pairings, in place, in several layouts."""
+"""genserve.kernels.apply_rope (Definition 15) against the blocks' RoPE, in both pairings, in place, in several
+layouts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import apply_rope
-from shared.blocks.rope import apply_rope as reference_rope
-from shared.blocks.rope import rope_cos_sin
+from genserve.kernels import apply_rope
+from genserve.shared.blocks.rope import apply_rope as reference_rope
+from genserve.shared.blocks.rope import rope_cos_sin
 
 # Max abs error against the fp32 rotation of the same inputs: the kernel rotates in fp32 and rounds once.
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 4e-2}

@@ -33,6 +33,10 @@ from collections.abc import Callable, Iterator  # noqa: E402
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 import requests  # noqa: E402
+from locust import User, between, constant, events, task  # noqa: E402
+from locust.env import Environment  # noqa: E402
+from PIL import Image as PILImage  # noqa: E402
+
 from genserve.v1 import (  # noqa: E402
     common_pb2,
     diffusion_pb2,
@@ -44,9 +48,6 @@ from genserve.v1 import (  # noqa: E402
     vae_pb2,
     vae_pb2_grpc,
 )
-from locust import User, between, constant, events, task  # noqa: E402
-from locust.env import Environment  # noqa: E402
-from PIL import Image as PILImage  # noqa: E402
 
 SHED_SUFFIX = " [shed]"
 FIRST_SUFFIX = " [first]"

@@ -48,14 +48,14 @@ def _module_bytes(module: torch.nn.Module) -> int:
 
 
 def _model_dir(service: str) -> str | None:
-    from services.common.builder import resolve_model_dir
+    from genserve.services.common.builder import resolve_model_dir
 
     return resolve_model_dir(service, None)
 
 
 def _text() -> tuple[int, int, Callable[[], None]]:
-    from services.text.engine.async_engine import AsyncLLMEngine
-    from services.text.engine.params import SamplingParams
+    from genserve.services.text.engine.async_engine import AsyncLLMEngine
+    from genserve.services.text.engine.params import SamplingParams
 
     engine = AsyncLLMEngine.from_dir(_model_dir("text")).engine
     cache = sum(t.numel() * t.element_size() for t in (*engine.runner.k_caches, *engine.runner.v_caches))
@@ -68,9 +68,9 @@ def _text() -> tuple[int, int, Callable[[], None]]:
 
 
 def _gan() -> tuple[int, int, Callable[[], None]]:
-    from services.gan.app import MAX_IMAGES
-    from services.gan.model import load_generator
-    from services.gan.sampling import generate
+    from genserve.services.gan.app import MAX_IMAGES
+    from genserve.services.gan.model import load_generator
+    from genserve.services.gan.sampling import generate
 
     generator = load_generator(_model_dir("gan"))
     z = torch.randn(MAX_IMAGES, generator.config.z_dim)
@@ -83,8 +83,8 @@ def _gan() -> tuple[int, int, Callable[[], None]]:
 
 
 def _vae() -> tuple[int, int, Callable[[], None]]:
-    from services.vae.app import MAX_IMAGES
-    from services.vae.model import load_vae
+    from genserve.services.vae.app import MAX_IMAGES
+    from genserve.services.vae.model import load_vae
 
     vae = load_vae(_model_dir("vae"))
     x = torch.rand(MAX_IMAGES, 3, vae.config.image_size, vae.config.image_size) * 2 - 1
@@ -98,8 +98,8 @@ def _vae() -> tuple[int, int, Callable[[], None]]:
 
 
 def _diffusion() -> tuple[int, int, Callable[[], None]]:
-    from services.diffusion.app import MAX_IMAGES
-    from services.diffusion.pipeline import DiffusionPipeline
+    from genserve.services.diffusion.pipeline import DiffusionPipeline
+    from genserve.services.diffusion.schema import MAX_IMAGES
 
     pipe = DiffusionPipeline.from_dir(_model_dir("diffusion"))
 
@@ -116,7 +116,7 @@ LOADERS = {"text": _text, "gan": _gan, "vae": _vae, "diffusion": _diffusion}
 def measure(service: str) -> dict[str, float]:
     """Runs in the process that measures: load, warm up, reset the high-water mark, serve the largest request."""
     torch.set_num_threads(1)
-    importlib.import_module(f"services.{service}.app")  # what a replica imports before it loads its model
+    importlib.import_module(f"genserve.services.{service}.app")  # what a replica imports before it loads its model
     before = _status_kib("VmRSS")
     weights, cache, request = LOADERS[service]()
     loaded = _status_kib("VmRSS")

@@ -2,7 +2,7 @@
 was replaced has a new pid) and resident memory.
 
 Ray names a replica's worker process `ray::ServeReplica:<app>:<deployment>`; the stack's own processes (raylet,
-workers) descend from the `python -m services.serve` process, so walking the parent links from it keeps another
+workers) descend from the `python -m genserve.services.serve` process, so walking the parent links from it keeps another
 stack on the same machine out of the picture.
 """
 

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from services.client import Client
+from genserve.services.client import Client
 from tests.load.report import (
     BatchSample,
     LoadRun,
@@ -146,8 +146,8 @@ class BatchSampler(PeriodicSampler):
 
 
 class LocalStack:
-    """`python -m services.serve` on `ports` (default STACK_PORTS), in its own process group so it can be stopped
-    whole."""
+    """`python -m genserve.services.serve` on `ports` (default STACK_PORTS), in its own process group so it can be
+    stopped whole."""
 
     def __init__(self, log_path: Path, timeout_s: float, ports: dict[str, int] | None = None):
         self.log_path = log_path
@@ -166,7 +166,7 @@ class LocalStack:
 
     def command(self) -> list[str]:
         ports = [f"--{name}-port={port}" for name, port in self.ports.items()]
-        return [sys.executable, "-m", "services.serve", *ports, f"--timeout={self.timeout_s:.0f}"]
+        return [sys.executable, "-P", "-m", "genserve.services.serve", *ports, f"--timeout={self.timeout_s:.0f}"]
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -151,9 +151,9 @@ def render_markdown(run: SoakRun, image: Path, date: str) -> str:
         "# Soak test",
         "",
         f"Written by `{run.command}` on {date} (tests/load/soak.py). It starts a fresh local stack on 127.0.0.1",
-        "(`python -m services.serve`, deploy/serve_config.local.yaml, the default text model), runs the locustfile's",
-        "mixed gRPC and HTTP (OpenAI API) users for the set time, and reads every Serve replica's RSS from /proc",
-        "every few seconds. Growth compares the median RSS over the first "
+        "(`python -m genserve.services.serve`, deploy/serve_config.local.yaml, the default text model), runs the",
+        "locustfile's mixed gRPC and HTTP (OpenAI API) users for the set time, and reads every Serve replica's RSS",
+        "from /proc every few seconds. Growth compares the median RSS over the first "
         f"{WINDOW_S:.0f} s after the {run.warm_up_s:.0f} s warm-up with the median over the last {WINDOW_S:.0f} s.",
         "The machine is the shared 2-core development box; CPU contention changes the request rate, not what memory",
         "does per request.",

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+from PIL import Image
+
 from genserve.v1 import (
     common_pb2,
     diffusion_pb2_grpc,
@@ -27,7 +29,6 @@ from genserve.v1 import (
     text_pb2_grpc,
     vae_pb2_grpc,
 )
-from PIL import Image
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 STEPS = 3

@@ -7,13 +7,12 @@ sample``, where ``index`` is the position in ``timesteps``. ``make_scheduler`` b
 
 from __future__ import annotations
 
-from services.diffusion.schedulers.ddim import DDIMScheduler
-from services.diffusion.schedulers.ddpm import DDPMScheduler
-from services.diffusion.schedulers.dpm_solver import DPMSolverMultistepScheduler
-from services.diffusion.schedulers.euler import EulerDiscreteScheduler
-from services.diffusion.schedulers.schedule import NoiseScheduleConfig
-
-SCHEDULERS = ("ddpm", "ddim", "dpmpp_2m", "euler")
+from genserve.services.diffusion.params import SCHEDULERS
+from genserve.services.diffusion.schedulers.ddim import DDIMScheduler
+from genserve.services.diffusion.schedulers.ddpm import DDPMScheduler
+from genserve.services.diffusion.schedulers.dpm_solver import DPMSolverMultistepScheduler
+from genserve.services.diffusion.schedulers.euler import EulerDiscreteScheduler
+from genserve.services.diffusion.schedulers.schedule import NoiseScheduleConfig
 
 Scheduler = DDPMScheduler | DDIMScheduler | DPMSolverMultistepScheduler | EulerDiscreteScheduler
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from services.diffusion.schedulers.schedule import (
+from genserve.services.diffusion.schedulers.schedule import (
     NoiseScheduleConfig,
     alphas_cumprod,
     draw_noise,

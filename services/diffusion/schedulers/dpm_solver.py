@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from services.diffusion.schedulers.schedule import NoiseScheduleConfig, alphas_cumprod, predict_x0_eps, spaced_timesteps
+from genserve.services.diffusion.schedulers.schedule import (
+    NoiseScheduleConfig,
+    alphas_cumprod,
+    predict_x0_eps,
+    spaced_timesteps,
+)
 
 
 class DPMSolverMultistepScheduler:

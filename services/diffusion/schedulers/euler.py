@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from services.diffusion.schedulers.schedule import NoiseScheduleConfig, alphas_cumprod, float_timesteps
+from genserve.services.diffusion.schedulers.schedule import NoiseScheduleConfig, alphas_cumprod, float_timesteps
 
 
 class EulerDiscreteScheduler:

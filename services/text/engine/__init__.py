@@ -1,8 +1,6 @@
-"""The text engine: paged KV cache, continuous-batching scheduler, sampler and incremental detokenizer."""
+"""The text engine: paged KV cache, continuous-batching scheduler, sampler and incremental detokenizer.
 
-from services.text.engine.async_engine import AsyncLLMEngine
-from services.text.engine.engine import EngineConfig, LLMEngine
-from services.text.engine.params import Delta, EngineOverloaded, PromptTooLong, SamplingParams, TokenLogprob
-
-__all__ = ["AsyncLLMEngine", "Delta", "EngineConfig", "EngineOverloaded", "LLMEngine", "PromptTooLong",
-           "SamplingParams", "TokenLogprob"]
+Import each part from its own module (``from genserve.services.text.engine.params import SamplingParams``): this
+package imports nothing, so the torch-free ones (``params``: what a request asks for and the request-level errors)
+load without the model code, as the wire schemas (services/text/schema.py) and the HTTP ingress need.
+"""

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from services.text.engine.engine import EngineConfig, LLMEngine
-from services.text.engine.params import Delta, SamplingParams
-from services.text.engine.progress import DEFAULT_STALL_S, StallDetector
+from genserve.services.text.engine.engine import EngineConfig, LLMEngine
+from genserve.services.text.engine.params import Delta, SamplingParams
+from genserve.services.text.engine.progress import DEFAULT_STALL_S, StallDetector
 
 DEMO_DIR = Path(__file__).resolve().parent.parent / "weights"
 
@@ -35,14 +35,15 @@ class AsyncLLMEngine:
     def from_dir(cls, path: str | Path | None = None, *, dtype: str = "auto", config: EngineConfig | None = None,
                  device: str | None = None, stall_s: float = DEFAULT_STALL_S) -> AsyncLLMEngine:
         """Load a checkpoint directory or GGUF file (``None`` -> the committed demo model) into a ready engine on
-        ``device`` (default: CUDA when available, else CPU). ``dtype`` "auto" is bfloat16 on CUDA and float32 on the
-        CPU."""
-        from services.text.loader import load_model, open_gguf
-        from services.text.tokenizer import TextTokenizer
-        from shared.blocks.quant_linear import QuantLinear
+        ``device`` (default: the replica's, ``services/common/device.py``). ``dtype`` "auto" is bfloat16 on CUDA and
+        float32 on the CPU."""
+        from genserve.services.common.device import serving_device
+        from genserve.services.text.loader import load_model, open_gguf
+        from genserve.services.text.tokenizer import TextTokenizer
+        from genserve.shared.blocks.quant_linear import QuantLinear
 
         root = (Path(path) if path is not None else DEMO_DIR).resolve()
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = device or serving_device()
         # "auto" keeps a GGUF file's Q8_0/Q4_0/Q4_1 matrices in their own blocks; an explicit dtype dequantizes all.
         keep_quantized = dtype == "auto"
         if dtype == "auto":

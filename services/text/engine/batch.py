@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from services.text.engine.kv_cache import BlockManager
-from services.text.engine.scheduler import ScheduledChunk
-from services.text.paged import PagedBatch, PrefillChunk
+from genserve.services.text.engine.kv_cache import BlockManager
+from genserve.services.text.engine.scheduler import ScheduledChunk
+from genserve.shared.blocks.paged import PagedBatch, PrefillChunk
 
 
 def build_batch(chunks: list[ScheduledChunk], blocks: BlockManager) -> tuple[PagedBatch, list[ScheduledChunk]]:

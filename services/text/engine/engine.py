@@ -15,16 +15,16 @@ from dataclasses import dataclass
 
 import torch
 
-from services.text.engine.batch import build_batch
-from services.text.engine.detokenizer import IncrementalDetokenizer, StopChecker
-from services.text.engine.grammar import Grammar, GrammarCompiler
-from services.text.engine.kv_cache import BlockManager, block_bytes
-from services.text.engine.params import Delta, EngineOverloaded, PromptTooLong, SamplingParams, TokenLogprob
-from services.text.engine.runner import ModelRunner
-from services.text.engine.sampler import make_generator
-from services.text.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
-from services.text.engine.sequence import Sequence
-from services.text.paged import PagedBatch
+from genserve.services.text.engine.batch import build_batch
+from genserve.services.text.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from genserve.services.text.engine.grammar import Grammar, GrammarCompiler
+from genserve.services.text.engine.kv_cache import BlockManager, block_bytes
+from genserve.services.text.engine.params import Delta, EngineOverloaded, PromptTooLong, SamplingParams, TokenLogprob
+from genserve.services.text.engine.runner import ModelRunner
+from genserve.services.text.engine.sampler import make_generator
+from genserve.services.text.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from genserve.services.text.engine.sequence import Sequence
+from genserve.shared.blocks.paged import PagedBatch
 
 
 @dataclass(frozen=True)
@@ -59,12 +59,19 @@ class EngineConfig:
             raise ValueError("give kv_cache_bytes or kv_cache_fraction, not both")
 
 
+
+@dataclass(frozen=True)
+class EngineCounters:
+    hit_tokens: int  # prompt tokens admitted with their K/V already in the prefix cache
+    queried_tokens: int  # prompt tokens admitted
+    preemptions: int  # sequences preempted (blocks freed, to be recomputed) because the KV cache ran out
+
 class LLMEngine:
     def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig | None = None,
                  model_name: str = "model", runner: ModelRunner | None = None):
         self.config = config = config or EngineConfig()
         if runner is None:
-            from services.text.runners import make_runner
+            from genserve.services.text.runners import make_runner
 
             runner = make_runner(model, max_lookahead=config.max_lookahead, max_running=config.max_running,
                                  cuda_graphs=config.cuda_graphs)
@@ -74,8 +81,7 @@ class LLMEngine:
         self.model_name = model_name
         mc = self.model.config
         self.max_context = config.max_context or mc.max_position
-        per_block = block_bytes(config.block_size, mc.n_layers, mc.n_kv_heads, mc.head_dim,
-                                self.model.model.embed_tokens.weight.dtype)
+        per_block = block_bytes(config.block_size, mc.n_layers, mc.n_kv_heads, mc.head_dim, runner.kv_dtype)
         full_context = -(-self.max_context // config.block_size) * per_block
         num_blocks = config.num_blocks or runner.kv_cache_budget(
             config.kv_cache_bytes, config.kv_cache_fraction, full_context) // per_block
@@ -168,9 +174,10 @@ class LLMEngine:
             "prefix_cache_hit_tokens": self.scheduler.hit_tokens,
         }
 
-    def prefix_cache_stats(self) -> tuple[int, int]:
-        """Tokens admitted with their K/V already cached, and tokens admitted, since start-up."""
-        return self.scheduler.hit_tokens, self.scheduler.queried_tokens
+    def counters(self) -> EngineCounters:
+        """The engine's running totals since start-up."""
+        s = self.scheduler
+        return EngineCounters(hit_tokens=s.hit_tokens, queried_tokens=s.queried_tokens, preemptions=s.num_preemptions)
 
     # ---- stepping -------------------------------------------------------------------------------------------
     @torch.inference_mode()

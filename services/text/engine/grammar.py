@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from services.text.engine.params import InvalidJsonSchema, InvalidRegex, SamplingParams
+from genserve.services.text.engine.params import InvalidJsonSchema, InvalidRegex, SamplingParams
 
 BITS = 32  # tokens per bitmask word
 # A compiled grammar's token-mask cache can grow large for big schemas; xgrammar evicts past this many bytes.

@@ -20,7 +20,7 @@ from collections import OrderedDict, deque
 
 import torch
 
-from shared.blocks.kv_cache import kv_cache_bytes
+from genserve.shared.blocks.kv_cache import kv_cache_bytes
 
 
 def block_bytes(block_size: int, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

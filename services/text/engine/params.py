@@ -1,12 +1,14 @@
-"""What a request asks for (``SamplingParams``) and what the engine streams back (``Delta``), plus the two
-request-level errors the serving layer maps to status codes."""
+"""What a request asks for (``SamplingParams``) and what the engine streams back (``Delta``), plus the request-level
+errors the serving layer maps to status codes (services/text/schema.py). Torch-free, like the wire schema that
+imports it."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-MAX_LOGPROBS = 20
+# Alternatives per token, as OpenAI's completions API allows; the gRPC and HTTP limit too (services/text/schema.py).
+MAX_LOGPROBS = 5
 # Logits are divided by the temperature and (when positive) by the repetition penalty: below these the float32
 # quotient overflows (a temperature of 1.4e-45 turned every logit into inf and the sampled id into garbage), so a
 # positive value under the floor is refused, as vLLM warns about temperatures under 0.01.
@@ -28,6 +30,10 @@ class InvalidJsonSchema(ValueError):
 
 class InvalidRegex(ValueError):
     """``regex`` is not a regular expression the grammar engine can compile."""
+
+
+class NoChatTemplate(RuntimeError):
+    """The model ships no chat template, so `messages` cannot be formatted (FAILED_PRECONDITION)."""
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@ from typing import Protocol
 
 import torch
 
-from services.text.engine.params import TokenLogprob
-from services.text.engine.sampler import SampleRow
-from services.text.model import LlamaForCausalLM
-from services.text.paged import PagedBatch
+from genserve.services.text.engine.params import TokenLogprob
+from genserve.services.text.engine.sampler import SampleRow
+from genserve.services.text.model import LlamaForCausalLM
+from genserve.shared.blocks.paged import PagedBatch
 
 
 class ModelRunner(Protocol):
@@ -27,6 +27,7 @@ class ModelRunner(Protocol):
     cpu_kernels: bool  # the C kernels are in use (the CPU runner, where they built)
     model: LlamaForCausalLM
     device: torch.device
+    kv_dtype: torch.dtype  # what the K/V cache holds; the engine sizes its blocks by it
 
     def kv_cache_budget(self, kv_cache_bytes: int, kv_cache_fraction: float, min_bytes: int) -> int:
         """Bytes for the KV cache: ``kv_cache_bytes`` when > 0, else ``kv_cache_fraction`` of the device memory

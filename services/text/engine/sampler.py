@@ -16,13 +16,12 @@ in one copy.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from services.text.engine.grammar import apply_bitmask, bitmask_words
-from services.text.engine.params import SamplingParams, TokenLogprob
+from genserve.services.text.engine.grammar import apply_bitmask, bitmask_words
+from genserve.services.text.engine.params import SamplingParams, TokenLogprob
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -79,11 +78,6 @@ def filter_logits_batch(logits: torch.Tensor, params: Sequence[SamplingParams]) 
     return logits
 
 
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """``filter_logits_batch`` for one row (V,)."""
-    return filter_logits_batch(logits[None], [params])[0]
-
-
 def draw_batch(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: row r takes the first token whose cumulative probability exceeds ``uniforms[r]`` of the
     row's mass (float64 throughout). logits (R, V), uniforms (R,) in [0, 1) -> token ids (R,)."""
@@ -96,12 +90,6 @@ def draw_batch(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     positive = torch.where(probs > 0, torch.arange(probs.shape[-1], device=probs.device), -1)
     last_positive = positive.cummax(-1).values
     return last_positive.gather(1, idx)[:, 0]
-
-
-def draw(logits: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from logits (V,) with one uniform from ``generator``."""
-    u = torch.rand((1,), generator=generator, dtype=torch.float64)
-    return int(draw_batch(logits[None], u)[0])
 
 
 def argmax(logits: torch.Tensor) -> int:
@@ -126,15 +114,6 @@ class SampleRow(Protocol):
     prompt_ids: list[int]
     output_ids: list[int]
     grammar: TokenMask | None
-
-
-@dataclass
-class _Row:
-    params: SamplingParams
-    generator: torch.Generator
-    prompt_ids: list[int]
-    output_ids: list[int]
-    grammar: TokenMask | None = None
 
 
 def mask_grammar_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
@@ -191,9 +170,3 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[tuple[
         k = rows[i].params.logprobs
         out[i] = (ids[i], TokenLogprob(ids[i], chosen_h[j], tuple(zip(ti[j][:k], tv[j][:k], strict=True))))
     return out
-
-
-def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, prompt_ids: list[int],
-               output_ids: list[int]) -> tuple[int, TokenLogprob | None]:
-    """The next token for one request from its logits row (V,), and its logprob entry when asked for."""
-    return sample_batch(logits[None], [_Row(params, generator, prompt_ids, output_ids)])[0]

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from services.text.engine.kv_cache import BlockManager
-from services.text.engine.sequence import Sequence
+from genserve.services.text.engine.kv_cache import BlockManager
+from genserve.services.text.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.text.engine.detokenizer import IncrementalDetokenizer, StopChecker
-from services.text.engine.grammar import Grammar
-from services.text.engine.params import Delta, SamplingParams
+from genserve.services.text.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from genserve.services.text.engine.grammar import Grammar
+from genserve.services.text.engine.params import Delta, SamplingParams
 
 
 @dataclass(eq=False)

@@ -3,8 +3,8 @@ once, at start-up, from the model's device and backend."""
 
 from __future__ import annotations
 
-from services.text.engine.runner import ModelRunner
-from services.text.model import LlamaForCausalLM
+from genserve.services.text.engine.runner import ModelRunner
+from genserve.services.text.model import LlamaForCausalLM
 
 
 def make_runner(model: LlamaForCausalLM, *, max_lookahead: int = 8, max_running: int = 64,
@@ -14,9 +14,9 @@ def make_runner(model: LlamaForCausalLM, *, max_lookahead: int = 8, max_running:
     backends ("auto", "torch") and stays off for the written-out "reference" math."""
     device = model.model.embed_tokens.weight.device
     if device.type == "cuda" or model.backend.name == "triton":
-        from services.text.runners.cuda import CudaRunner
+        from genserve.services.text.runners.cuda import CudaRunner
 
         return CudaRunner(model, max_running=max_running, cuda_graphs=cuda_graphs)
-    from services.text.runners.cpu import CpuRunner
+    from genserve.services.text.runners.cpu import CpuRunner
 
     return CpuRunner(model, max_lookahead=max_lookahead, fused=model.backend.name in ("auto", "torch"))

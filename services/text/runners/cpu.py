@@ -1,7 +1,7 @@
 """The CPU model runner: prefill and mixed steps through ``LlamaForCausalLM.forward_paged`` (torch ops and the
 per-op C kernels behind the backend), decode-only steps through one fused C call per step
-(``kernels.cpu_decode_step``), and greedy lookahead: several decode steps per call, the argmax fed back in C. The
-projections and the LM head may be fp32 or bf16, keep a GGUF checkpoint's Q8_0/Q4_0/Q4_1 blocks (``QuantLinear``) or
+(``genserve.kernels.cpu_decode_step``), and greedy lookahead: several decode steps per call, the argmax fed back in C.
+The projections and the LM head may be fp32 or bf16, keep a GGUF checkpoint's Q8_0/Q4_0/Q4_1 blocks (``QuantLinear``) or
 be int8 rows (``Int8Linear``): the fused step widens them inside its products.
 
 A decode step reads every weight once; op by op in PyTorch, the small tensor ops around the matrix-vector products
@@ -20,15 +20,15 @@ import os
 import torch
 from torch import nn
 
-from kernels import _cpu_library, cpu_decode_step
-from services.text.engine.params import TokenLogprob
-from services.text.engine.sampler import SampleRow, sample_batch
-from services.text.model import LlamaForCausalLM
-from services.text.paged import PagedBatch
-from services.text.quantize import Int8Linear
-from services.text.runners.huge_pages import move_to_huge_pages
-from shared.blocks.ffn import SwiGLU
-from shared.blocks.quant_linear import QuantLinear
+from genserve.kernels import _cpu_library, cpu_decode_step
+from genserve.services.text.engine.params import TokenLogprob
+from genserve.services.text.engine.sampler import SampleRow, sample_batch
+from genserve.services.text.model import LlamaForCausalLM
+from genserve.services.text.quantize import Int8Linear
+from genserve.services.text.runners.huge_pages import move_to_huge_pages
+from genserve.shared.blocks.ffn import SwiGLU
+from genserve.shared.blocks.paged import PagedBatch
+from genserve.shared.blocks.quant_linear import QuantLinear
 
 # The fused kernel's products run row by row: past this many tokens, blocked GEMMs (forward_paged) win.
 FUSED_MAX_TOKENS = 16
@@ -136,6 +136,8 @@ class CpuRunner:
     def __init__(self, model: LlamaForCausalLM, *, max_lookahead: int = 8, fused: bool = True):
         self.model = model.eval()
         self.device = torch.device("cpu")
+        # The cache holds what the embedding holds: fp32, or bf16 (rounded to nearest-even on write) for bf16 models.
+        self.kv_dtype = model.model.embed_tokens.weight.dtype
         self.max_lookahead = max_lookahead
         self.arena = move_to_huge_pages(self.model)  # first: the fused step below keeps pointers into the weights
         # The fused C step where it applies and the kernels built; the model's per-layer forward otherwise.
@@ -154,10 +156,9 @@ class CpuRunner:
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         cfg = self.model.config
-        dtype = self.model.model.embed_tokens.weight.dtype
         shape = (num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.n_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.k_caches = [torch.zeros(shape, dtype=self.kv_dtype) for _ in range(cfg.n_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=self.kv_dtype) for _ in range(cfg.n_layers)]
 
     def max_steps(self, n_tokens: int) -> int:
         return self.max_lookahead if self.fused is not None and n_tokens <= FUSED_MAX_TOKENS else 1

@@ -19,10 +19,10 @@ import logging
 
 import torch
 
-from services.text.engine.params import TokenLogprob
-from services.text.engine.sampler import SampleRow, sample_batch
-from services.text.model import LlamaForCausalLM
-from services.text.paged import PagedBatch
+from genserve.services.text.engine.params import TokenLogprob
+from genserve.services.text.engine.sampler import SampleRow, sample_batch
+from genserve.services.text.model import LlamaForCausalLM
+from genserve.shared.blocks.paged import PagedBatch
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,7 @@ class CudaRunner:
     def __init__(self, model: LlamaForCausalLM, *, max_running: int = 64, cuda_graphs: bool = True):
         self.model = model.eval()
         self.device = model.model.embed_tokens.weight.device
+        self.kv_dtype = model.model.embed_tokens.weight.dtype  # the model's compute dtype (bf16 on GPUs)
         self.max_running = max_running
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and not model.config.n_experts
         self.k_caches: list[torch.Tensor] = []
@@ -124,11 +125,10 @@ class CudaRunner:
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         cfg = self.model.config
-        dtype = self.model.model.embed_tokens.weight.dtype
         # One block past the engine's: the sink that padded graph rows read and write.
         shape = (num_blocks + 1, block_size, cfg.n_kv_heads, cfg.head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.n_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.n_layers)]
+        self.k_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(cfg.n_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(cfg.n_layers)]
         max_blocks = -(-cfg.max_position // block_size)
         try:
             self.graphs = DecodeGraphs(self.model, self.k_caches, self.v_caches, max_batch=self.max_running,

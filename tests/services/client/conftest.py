@@ -9,8 +9,9 @@ from concurrent import futures
 
 import grpc
 import pytest
-from genserve.v1 import common_pb2, gan_pb2_grpc, text_pb2, text_pb2_grpc
 from PIL import Image
+
+from genserve.v1 import common_pb2, gan_pb2_grpc, text_pb2, text_pb2_grpc
 
 
 def png() -> bytes:

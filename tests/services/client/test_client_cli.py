@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services.client.cli import main
+from genserve.services.client.cli import main
 
 
 def test_text_prints_the_completion(fake_server, capsys) -> None:
@@ -73,7 +73,7 @@ def test_offline_commands_dispatch_to_their_modules(monkeypatch) -> None:
     monkeypatch.setattr("importlib.import_module", lambda name: calls.append(name) or Module)
     assert main(["train", "gan", "--epochs", "3"]) == 0
     assert main(["serve", "--epochs", "1"]) == 0
-    assert calls == ["services.gan.train", 3, "services.serve", 1]
+    assert calls == ["genserve.services.gan.train", 3, "genserve.services.serve", 1]
 
 
 def test_unknown_arguments_are_refused(fake_server) -> None:

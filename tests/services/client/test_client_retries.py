@@ -10,11 +10,11 @@ from concurrent import futures
 
 import grpc
 import pytest
-from genserve.v1 import common_pb2, gan_pb2_grpc, text_pb2, text_pb2_grpc
 
-from services.client import AsyncClient, Client
-from services.client.errors import Internal, Unavailable
-from services.client.retries import RetryPolicy, retryable
+from genserve.services.client import AsyncClient, Client
+from genserve.services.client.errors import Internal, Unavailable
+from genserve.services.client.retries import RetryPolicy, retryable
+from genserve.v1 import common_pb2, gan_pb2_grpc, text_pb2, text_pb2_grpc
 
 DIED = "The actor died unexpectedly before finishing this task."
 # The same death when the proxy reaches replicas over gRPC (RAY_SERVE_PROXY_USE_GRPC, deploy_config.SERVE_ENV).

@@ -7,9 +7,9 @@ import asyncio
 import grpc
 import pytest
 
-from services.client import AsyncClient, Client
-from services.client import errors as client_errors
-from services.client.requests import diffusion_request, gan_sample_request, text_request
+from genserve.services.client import AsyncClient, Client
+from genserve.services.client import errors as client_errors
+from genserve.services.client.requests import diffusion_request, gan_sample_request, text_request
 
 
 def test_requests_leave_unset_options_unset() -> None:

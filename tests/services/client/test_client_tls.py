@@ -9,11 +9,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from genserve.v1 import text_pb2_grpc
 
-from services.client import AsyncClient, Client, ClientTls
-from services.client.cli import main
-from services.client.errors import Unavailable
+from genserve.services.client import AsyncClient, Client, ClientTls
+from genserve.services.client.cli import main
+from genserve.services.client.errors import Unavailable
+from genserve.v1 import text_pb2_grpc
 from tests.services.client.conftest import FakeText
 from tests.services.common.tls_certs import Pki, make_pki
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.auth import (
+from genserve.services.common.auth import (
     BAD_KEY,
     INSECURE_ENV,
     KEYS_ENV,
@@ -20,7 +20,7 @@ from services.common.auth import (
     is_local,
     load_digests,
 )
-from services.common.errors import Unauthenticated
+from genserve.services.common.errors import Unauthenticated
 
 PLAIN, HASHED = "k-plain-123", "k-hashed-456"
 

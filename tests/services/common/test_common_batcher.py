@@ -10,7 +10,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from services.common.batcher import BatchArgs, Batcher, rows_by_shape
+from genserve.services.common.batcher import BatchArgs, Batcher, rows_by_shape
 
 
 class Recorder:

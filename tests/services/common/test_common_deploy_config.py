@@ -6,9 +6,9 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from services.common import deploy_config
-from services.common.deploy_config import GPU_PATH, LOCAL_PATH, reserved_cpus, serve_config
-from services.common.drain import DRAIN_SECONDS, SHUTDOWN_WAIT_LOOP_S
+from genserve.services.common import deploy_config
+from genserve.services.common.deploy_config import GPU_PATH, LOCAL_PATH, reserved_cpus, serve_config
+from genserve.services.common.drain import DRAIN_SECONDS, SHUTDOWN_WAIT_LOOP_S
 
 MODEL_APPS = {"text", "gan", "vae", "diffusion"}
 

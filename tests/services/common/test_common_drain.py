@@ -7,16 +7,16 @@ import asyncio
 
 import grpc
 import pytest
-from genserve.v1 import text_pb2
 from grpc_health.v1 import health_pb2
 
-from services.common import drain
-from services.common.auth import Access
-from services.common.drain import CUT_MESSAGE, DRAINING_MESSAGE, FRESH_S, DrainBoard, DrainState, DrainWatch
-from services.common.errors import Cancelled
-from services.common.gate import Gate
-from services.common.metrics import ServiceMetrics
-from services.common.rpc import StatusSet, streaming, unary
+from genserve.services.common import drain
+from genserve.services.common.auth import Access
+from genserve.services.common.drain import CUT_MESSAGE, DRAINING_MESSAGE, FRESH_S, DrainBoard, DrainState, DrainWatch
+from genserve.services.common.errors import Cancelled
+from genserve.services.common.gate import Gate
+from genserve.services.common.metrics import ServiceMetrics
+from genserve.services.common.rpc import StatusSet, streaming, unary
+from genserve.v1 import text_pb2
 
 
 class FakeContext:

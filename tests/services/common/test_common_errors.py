@@ -7,7 +7,7 @@ import asyncio
 import grpc
 from pydantic import BaseModel, Field
 
-from services.common.errors import MAX_DETAILS, InvalidArgument, NotFound, field_path, to_status
+from genserve.services.common.errors import MAX_DETAILS, InvalidArgument, NotFound, field_path, to_status
 
 
 class Inner(BaseModel):

@@ -8,16 +8,16 @@ import json
 
 import grpc
 import pytest
-from genserve.v1 import text_pb2
 from grpc_health.v1 import health_pb2
 
-from services.common.auth import BAD_KEY, REMOTE_NEEDS_KEY, Access, digest
-from services.common.errors import RateLimited, Unauthenticated
-from services.common.gate import RETRY_AFTER, Gate
-from services.common.metrics import ServiceMetrics
-from services.common.rate_limit import RateLimits
-from services.common.rpc import StatusSet, streaming, unary
-from services.http.errors import refusal
+from genserve.services.common.auth import BAD_KEY, REMOTE_NEEDS_KEY, Access, digest
+from genserve.services.common.errors import RateLimited, Unauthenticated
+from genserve.services.common.gate import RETRY_AFTER, Gate
+from genserve.services.common.metrics import ServiceMetrics
+from genserve.services.common.rate_limit import RateLimits
+from genserve.services.common.rpc import StatusSet, streaming, unary
+from genserve.services.http.errors import refusal
+from genserve.v1 import text_pb2
 
 KEY = "s3cret-key"
 LOCAL, REMOTE = "ipv6:%5B::ffff:127.0.0.1%5D:40000", "ipv4:10.0.0.1:40000"

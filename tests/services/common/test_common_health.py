@@ -9,10 +9,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common import drain, health
-from services.common.drain import DrainBoard, DrainWatch
-from services.common.errors import NotFound
-from services.common.health import (
+from genserve.services.common import drain, health
+from genserve.services.common.drain import DrainBoard, DrainWatch
+from genserve.services.common.errors import NotFound
+from genserve.services.common.health import (
     NOT_SERVING,
     SERVICE_UNKNOWN,
     SERVICES,

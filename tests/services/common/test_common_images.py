@@ -6,11 +6,11 @@ import io
 
 import pytest
 import torch
-from genserve.v1 import common_pb2
 from PIL import Image
 
-from services.common.errors import InvalidArgument
-from services.common.images import from_png, image_messages, tensor_from_message, tensor_message, to_png
+from genserve.services.common.errors import InvalidArgument
+from genserve.services.common.images import from_png, image_messages, tensor_from_message, tensor_message, to_png
+from genserve.v1 import common_pb2
 
 
 def test_png_round_trip_within_one_quantisation_step() -> None:
@@ -68,7 +68,7 @@ def test_tensor_message_round_trip_in_each_dtype(dtype: torch.dtype) -> None:
 
 
 def test_client_float32_tensor_is_what_the_server_reads() -> None:
-    from services.client.requests import float32_tensor, tensor_values
+    from genserve.services.client.requests import float32_tensor, tensor_values
 
     values = [0.5, -1.25, 3.0, 1e-3, 7.0, -2.0]
     message = float32_tensor([1, 2, 3], values)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from genserve.v1 import common_pb2, diffusion_pb2, text_pb2
 from pydantic import ValidationError
 
-from services.common.errors import RateLimited
-from services.common.rate_limit import MAX_CALLERS, Limiter, RateLimits, TokenBucket, generated
+from genserve.services.common.errors import RateLimited
+from genserve.services.common.rate_limit import MAX_CALLERS, Limiter, RateLimits, TokenBucket, generated
+from genserve.v1 import common_pb2, diffusion_pb2, text_pb2
 
 
 class Clock:

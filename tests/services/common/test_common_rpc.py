@@ -6,13 +6,13 @@ import asyncio
 
 import grpc
 import pytest
-from genserve.v1 import text_pb2
 
-from services.common.auth import Access
-from services.common.errors import InvalidArgument
-from services.common.gate import Gate
-from services.common.metrics import ServiceMetrics
-from services.common.rpc import StatusSet, streaming, unary, unknown_rpcs
+from genserve.services.common.auth import Access
+from genserve.services.common.errors import InvalidArgument
+from genserve.services.common.gate import Gate
+from genserve.services.common.metrics import ServiceMetrics
+from genserve.services.common.rpc import StatusSet, streaming, unary, unknown_rpcs
+from genserve.v1 import text_pb2
 
 
 class FakeContext:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from services import serve
+from genserve.services import serve
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -83,7 +87,7 @@ def test_a_diffusers_folder_serves_its_vae_unless_told_otherwise(tmp_path: Path,
 
 
 def test_the_vae_app_follows_genserve_diffusion_model(tmp_path: Path, monkeypatch) -> None:
-    from services.common.builder import resolve_model_dir
+    from genserve.services.common.builder import resolve_model_dir
 
     sd = _pipeline_folder(tmp_path / "sd")
     monkeypatch.delenv("GENSERVE_VAE_MODEL", raising=False)
@@ -134,3 +138,36 @@ def test_the_drain_time_is_the_flag_else_the_env_var_and_reaches_every_deploymen
     deployments = [d for app in config["applications"] for d in app["deployments"]]
     assert {d["graceful_shutdown_timeout_s"] for d in deployments} == {45.0}
     assert {d["graceful_shutdown_wait_loop_s"] for d in deployments} == {1.0}
+
+
+def _listening() -> socket.socket:
+    held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    return held
+
+
+def test_taken_ports_names_each_port_something_listens_on() -> None:
+    with _listening() as grpc_held, _listening() as metrics_held:
+        grpc_port, metrics_port = grpc_held.getsockname()[1], metrics_held.getsockname()[1]
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            free_port = free.getsockname()[1]
+        args = parse("--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--http-port",
+                     str(free_port), "--health-port", str(free_port))
+        assert serve.taken_ports(args) == [f"{grpc_port} (gRPC: --grpc-port or GENSERVE_GRPC_PORT)",
+                                           f"{metrics_port} (metrics: --metrics-port or GENSERVE_METRICS_PORT)"]
+
+
+def test_a_second_serve_on_a_taken_port_says_which_and_exits_at_once() -> None:
+    root = Path(__file__).resolve().parents[3]
+    with _listening() as held:
+        port = held.getsockname()[1]
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-P", "-m", "genserve.services.serve", "--grpc-port", str(port)],
+                              cwd=root, capture_output=True, text=True, timeout=60)
+        elapsed = time.monotonic() - started
+    assert done.returncode == 1
+    assert f"port {port} (gRPC: --grpc-port or GENSERVE_GRPC_PORT) already in use" in done.stderr
+    assert "Traceback" not in done.stderr and "ray" not in done.stdout.lower()
+    assert elapsed < 30, elapsed  # before Ray starts: no wait for a cluster that cannot bind

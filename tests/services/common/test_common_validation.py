@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from genserve.v1 import common_pb2, text_pb2, vae_pb2
 from pydantic import Field, ValidationError
 
-from services.common.validation import Request, message_to_dict, parse, resolve_seed
+from genserve.services.common.validation import Request, message_to_dict, parse, resolve_seed
+from genserve.v1 import common_pb2, text_pb2, vae_pb2
 
 
 class Sampling(Request):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common import ray_adapter
+from genserve.services.common import ray_adapter
 
 ROOT = Path(__file__).resolve().parents[3]
 # `ray.<anything>._private`, or an underscore name imported from ray, or an underscore keyword passed to ray.init
@@ -51,3 +51,38 @@ def test_the_offender_pattern_catches_the_usual_spellings() -> None:
     assert PRIVATE_USE.search("from ray.serve.context import _get_serve_request_context")
     assert PRIVATE_USE.search("ray.init(_node_ip_address='127.0.0.1')")
     assert not PRIVATE_USE.search("from ray.serve.config import gRPCOptions")
+
+
+WORKER_PATHS = """
+import importlib.util, json, os, sys
+
+from genserve.services.common import ray_adapter
+
+ray_adapter.init_local_ray(metrics_port=0, num_cpus=1, include_dashboard=False, dashboard_port=0,
+                           log_to_driver=False, namespace="test-paths", object_store_memory=80 * 2**20)
+import ray
+
+@ray.remote
+def where():
+    return {"path": sys.path, "kernels": importlib.util.find_spec("kernels").origin}
+
+print(json.dumps({**ray.get(where.remote()), "cwd": os.getcwd()}))
+ray.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_ray_workers_started_from_the_checkout_do_not_see_its_folders_as_top_level_packages() -> None:
+    """Ray puts the driver's working directory first on its workers' sys.path; from the checkout's root that would
+    make kernels/ shadow Hugging Face's `kernels` in every replica."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-P", "-c", WORKER_PATHS], cwd=ROOT, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert str(ROOT) not in got["path"]
+    assert "site-packages" in got["kernels"] and not got["kernels"].startswith(str(ROOT / "kernels"))
+    assert got["cwd"] == str(ROOT)  # the driver is back where it started

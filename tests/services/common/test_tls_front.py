@@ -16,11 +16,11 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from genserve.v1 import text_pb2, text_pb2_grpc
 
-from services.common import tls_front
-from services.common.deploy_config import serve_config
-from services.common.tls_front import Route, TlsFiles
+from genserve.services.common import tls_front
+from genserve.services.common.deploy_config import serve_config
+from genserve.services.common.tls_front import Route, TlsFiles
+from genserve.v1 import text_pb2, text_pb2_grpc
 from tests.services.common.tls_certs import Pki, make_pki
 
 
@@ -143,7 +143,7 @@ def test_caddy_config_has_no_admin_endpoint_and_loads_the_certificate(pki: Pki) 
 
 
 def test_committed_deploy_configs_are_fresh() -> None:
-    """Fails when tls_front changed and `python -m services.common.tls_front` was not rerun."""
+    """Fails when tls_front changed and `python -m genserve.services.common.tls_front` was not rerun."""
     for name in tls_front.DEPLOY_CONFIGS:
         assert (tls_front.DEPLOY_DIR / name).read_text() == tls_front.deploy_config_text(name), name
     mutual = json.loads((tls_front.DEPLOY_DIR / "caddy.mtls.json").read_text())

@@ -14,7 +14,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from services.common.deploy_config import SERVE_ENV
+from genserve.services.common.deploy_config import SERVE_ENV
 
 DOCKERFILE = Path(__file__).resolve().parents[3] / "deploy" / "Dockerfile"
 

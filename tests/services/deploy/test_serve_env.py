@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from services import serve
-from services.common.deploy_config import SERVE_ENV, serve_config
+from genserve.services import serve
+from genserve.services.common.deploy_config import SERVE_ENV, serve_config
 
 
 def test_serve_env_asks_for_grpc_between_ray_serve_components_and_no_extra_threads() -> None:

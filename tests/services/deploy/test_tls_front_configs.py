@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common import tls_front
+from genserve.services.common import tls_front
 from tests.services.common.tls_certs import make_pki
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.diffusion.model import DiffusionConfig, LatentDiffusion
-from services.diffusion.pipeline import DiffusionPipeline
-from services.diffusion.schedulers import NoiseScheduleConfig
-from services.diffusion.text_encoder import TextEncoderConfig
-from services.diffusion.tokenizer import caption_vocabulary
-from shared.blocks.unet import UNetConfig
+from genserve.services.diffusion.model import DiffusionConfig, LatentDiffusion
+from genserve.services.diffusion.pipeline import DiffusionPipeline
+from genserve.services.diffusion.schedulers import NoiseScheduleConfig
+from genserve.services.diffusion.text_encoder import TextEncoderConfig
+from genserve.services.diffusion.tokenizer import caption_vocabulary
+from genserve.shared.blocks.unet import UNetConfig
 
 
 def tiny_config(prediction_type: str = "v_prediction") -> DiffusionConfig:

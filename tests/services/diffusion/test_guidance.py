@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from services.diffusion.guidance import cfg, perp_neg, perpendicular
+from genserve.services.diffusion.guidance import cfg, perp_neg, perpendicular
 
 
 def _batch(*samples: list[float]) -> torch.Tensor:

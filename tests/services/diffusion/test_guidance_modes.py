@@ -8,10 +8,11 @@ import dataclasses
 import pytest
 import torch
 
-from services.diffusion.guidance import GUIDANCE_MODES, perp_neg
-from services.diffusion.pipeline import DiffusionPipeline
-from services.diffusion.schedulers import make_scheduler
-from shared.blocks.cross_attention import ContextCache
+from genserve.services.diffusion.guidance import perp_neg
+from genserve.services.diffusion.params import GUIDANCE_MODES
+from genserve.services.diffusion.pipeline import DiffusionPipeline
+from genserve.services.diffusion.schedulers import make_scheduler
+from genserve.shared.blocks.cross_attention import ContextCache
 
 PROMPTS = ["a large yellow square at the top left", "a small green triangle in the center"]
 NEGATIVES = ["a green square", "a red circle"]

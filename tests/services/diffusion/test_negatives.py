@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.diffusion.evaluate import heldout_prompts
-from services.diffusion.negatives import contrasting_negative, contrasting_negatives, open_colour_prompt
-from services.shapes.dataset import COLOURS, POSITIONS, SHAPES
+from genserve.services.diffusion.evaluate import heldout_prompts
+from genserve.services.diffusion.negatives import contrasting_negative, contrasting_negatives, open_colour_prompt
+from genserve.services.shapes.dataset import COLOURS, POSITIONS, SHAPES
 
 ATTRS = {"shape": "square", "colour": "yellow", "size": "large", "position": "top left"}
 

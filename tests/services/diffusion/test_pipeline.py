@@ -7,10 +7,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.diffusion.model import DEFAULT_WEIGHTS, LatentDiffusion, load_diffusion, save_diffusion
-from services.diffusion.pipeline import MAX_BATCH, MAX_STEPS, SCHEDULERS, DiffusionPipeline, GenerationCancelled
-from services.diffusion.schedulers import make_scheduler
-from services.diffusion.schedulers.schedule import alphas_cumprod
+from genserve.services.diffusion.model import DEFAULT_WEIGHTS, LatentDiffusion, load_diffusion, save_diffusion
+from genserve.services.diffusion.pipeline import (
+    MAX_BATCH,
+    MAX_STEPS,
+    SCHEDULERS,
+    DiffusionPipeline,
+    GenerationCancelled,
+)
+from genserve.services.diffusion.schedulers import make_scheduler
+from genserve.services.diffusion.schedulers.schedule import alphas_cumprod
 
 PROMPTS = ["a large red circle at the top left", "a small blue square in the center"]
 

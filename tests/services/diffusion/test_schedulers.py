@@ -8,7 +8,7 @@ from diffusers import DDIMScheduler as RefDDIM
 from diffusers import DDPMScheduler as RefDDPM
 from diffusers import DPMSolverMultistepScheduler as RefDPM
 
-from services.diffusion.schedulers import (
+from genserve.services.diffusion.schedulers import (
     SCHEDULERS,
     DDIMScheduler,
     DDPMScheduler,
@@ -17,7 +17,7 @@ from services.diffusion.schedulers import (
     NoiseScheduleConfig,
     make_scheduler,
 )
-from services.diffusion.schedulers.schedule import add_noise, velocity
+from genserve.services.diffusion.schedulers.schedule import add_noise, velocity
 
 CONFIGS = [
     NoiseScheduleConfig(beta_schedule="linear", prediction_type="epsilon", timestep_spacing="leading"),
@@ -170,7 +170,7 @@ def test_euler_matches_diffusers(prediction_type: str, spacing: str) -> None:
 
 def test_scheduler_config_json_reads_like_from_config() -> None:
     """A folder's DDIM config switched to another sampler keeps its keys and takes that sampler's defaults."""
-    from services.diffusion.sd_schedule import schedule_for
+    from genserve.services.diffusion.sd_schedule import schedule_for
 
     raw = dict(RefDDIM(**SD_CONFIG, steps_offset=1, set_alpha_to_one=False, clip_sample=False).config)
     for sampler, ref_cls in (("ddim", RefDDIM), ("dpmpp_2m", RefDPM)):
@@ -194,7 +194,7 @@ def test_scheduler_config_json_reads_like_from_config() -> None:
     ({"interpolation_type": "log_linear"}, "euler", "interpolation_type"),
 ])
 def test_unsupported_scheduler_options_are_refused_by_name(raw: dict, sampler: str, key: str) -> None:
-    from services.diffusion.sd_schedule import schedule_for
+    from genserve.services.diffusion.sd_schedule import schedule_for
 
     with pytest.raises(ValueError, match=f"scheduler_config.json.*: {key}="):
         schedule_for(raw, sampler, "scheduler/scheduler_config.json")

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from services.diffusion.clip_tokenizer import CLIPTokenizer
-from services.diffusion.pipeline import DiffusionPipeline
-from services.diffusion.sd_folder import load_sd_components
-from services.diffusion.sd_text import load_clip_text
-from services.diffusion.sd_unet import load_unet
-from services.vae.autoencoder_kl import load_autoencoder_kl
+from genserve.services.diffusion.clip_tokenizer import CLIPTokenizer
+from genserve.services.diffusion.pipeline import DiffusionPipeline
+from genserve.services.diffusion.sd_folder import load_sd_components
+from genserve.services.diffusion.sd_text import load_clip_text
+from genserve.services.diffusion.sd_unet import load_unet
+from genserve.shared.blocks.autoencoder_kl import load_autoencoder_kl
 from tests.services.diffusion.tiny_sd import CAPTIONS, build_tiny_sd, write_clip_vocab
 
 STEPS = 4

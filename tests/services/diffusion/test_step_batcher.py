@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from services.diffusion.pipeline import SCHEDULERS, DiffusionPipeline, GenerationCancelled
-from services.diffusion.step_batcher import StepBatcher
-from services.vae.model import VAE, load_vae
+from genserve.services.diffusion.pipeline import SCHEDULERS, DiffusionPipeline, GenerationCancelled
+from genserve.services.diffusion.step_batcher import StepBatcher
+from genserve.services.vae.model import load_vae
+from genserve.shared.blocks.autoencoder import VAE
 from tests.services.diffusion.tiny_sd import build_tiny_sd
 
 # Different schedulers, step counts, guidance modes and scales, negatives and image counts side by side.

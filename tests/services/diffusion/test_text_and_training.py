@@ -7,14 +7,14 @@ from pathlib import Path
 
 import torch
 
-from services.diffusion import train
-from services.diffusion.model import LatentDiffusion, load_diffusion
-from services.diffusion.schedulers.schedule import alphas_cumprod
-from services.diffusion.text_encoder import TextEncoder, TextEncoderConfig
-from services.diffusion.tokenizer import WordTokenizer, caption_vocabulary
-from services.shapes.dataset import all_attribute_combinations, caption
-from services.vae.model import VAE, VAEConfig
-from shared.checkpoint import read_extra, save_checkpoint
+from genserve.services.diffusion import train
+from genserve.services.diffusion.model import LatentDiffusion, load_diffusion
+from genserve.services.diffusion.schedulers.schedule import alphas_cumprod
+from genserve.services.diffusion.text_encoder import TextEncoder, TextEncoderConfig
+from genserve.services.diffusion.tokenizer import WordTokenizer, caption_vocabulary
+from genserve.services.shapes.dataset import all_attribute_combinations, caption
+from genserve.shared.blocks.autoencoder import VAE, VAEConfig
+from genserve.shared.checkpoint import read_extra, save_checkpoint
 
 
 def test_every_dataset_caption_is_in_vocabulary() -> None:
@@ -102,7 +102,7 @@ def test_short_training_run_resumes_and_exports(tmp_path: Path) -> None:
 
 
 def test_evaluate_scores_heldout_prompts_with_the_reader(tiny_pipe) -> None:
-    from services.diffusion.evaluate import evaluate, heldout_prompts
+    from genserve.services.diffusion.evaluate import evaluate, heldout_prompts
 
     prompts, attrs = heldout_prompts(5, seed=0)
     assert prompts == heldout_prompts(5, seed=0)[0] and prompts != heldout_prompts(5, seed=1)[0]

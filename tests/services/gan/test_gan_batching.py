@@ -8,14 +8,14 @@ import asyncio
 import grpc
 import pytest
 import torch
-from genserve.v1 import gan_pb2
 
-from services.common.batcher import BatchArgs
-from services.common.errors import to_status
-from services.gan.app import ImageGan
-from services.gan.model import load_generator
-from services.gan.sampling import generate, sample_latents
-from shared.blocks.linear import RowwiseLinear
+from genserve.services.common.batcher import BatchArgs
+from genserve.services.common.errors import to_status
+from genserve.services.gan.app import ImageGan
+from genserve.services.gan.model import load_generator
+from genserve.services.gan.sampling import generate, sample_latents
+from genserve.shared.blocks.linear import RowwiseLinear
+from genserve.v1 import gan_pb2
 
 
 def app(wait_s: float = 0.2, max_images: int = 32) -> ImageGan:

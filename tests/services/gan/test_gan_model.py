@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.gan.model import (
+from genserve.services.gan.model import (
     Discriminator,
     GANConfig,
     Generator,
@@ -12,8 +12,8 @@ from services.gan.model import (
     load_generator,
     minibatch_std,
 )
-from services.shapes.dataset import COLOURS, SHAPES
-from shared.checkpoint import save_checkpoint
+from genserve.services.shapes.dataset import COLOURS, SHAPES
+from genserve.shared.checkpoint import save_checkpoint
 
 TINY = GANConfig(z_dim=8, g_channels=(16, 8, 8, 4), d_channels=(4, 8, 8))
 
@@ -87,7 +87,7 @@ def test_latent_class_is_the_argmax_of_the_leading_coordinates():
 
 
 def test_latent_classes_are_uniform_even_under_truncation():
-    from services.gan.sampling import sample_latents
+    from genserve.services.gan.sampling import sample_latents
 
     counts = torch.bincount(latent_classes(sample_latents(24_000, seed=0, truncation=0.5, z_dim=30), 24), minlength=24)
     assert counts.min() > 850 and counts.max() < 1150  # 1000 expected per class; ±15% is > 4 standard deviations
@@ -99,7 +99,7 @@ def test_class_of_enumerates_shape_colour_pairs():
 
 
 def test_class_of_all_attributes_enumerates_every_combination():
-    from services.shapes.dataset import all_attribute_combinations
+    from genserve.services.shapes.dataset import all_attribute_combinations
 
     labels = [class_of(attrs, 240) for attrs in all_attribute_combinations()]
     assert sorted(labels) == list(range(240))
@@ -146,7 +146,7 @@ LATENT = GANConfig(
 
 
 def test_latent_generator_draws_latents_and_renders_them_with_the_frozen_decoder():
-    from services.vae.model import VAE
+    from genserve.shared.blocks.autoencoder import VAE
 
     generator = Generator(LATENT).eval()
     vae = VAE(LATENT.vae_config()).eval()

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.gan.model import GANConfig, Generator
-from services.gan.sampling import generate, sample_latents, slerp
+from genserve.services.gan.model import GANConfig, Generator
+from genserve.services.gan.sampling import generate, sample_latents, slerp
 
 
 def test_seeded_latents_are_reproducible_and_seed_dependent():
@@ -70,7 +70,7 @@ def test_generate_rejects_wrong_latent_width():
 
 
 def test_recalibrated_batchnorm_matches_the_statistics_of_fresh_latents():
-    from services.gan.sampling import recalibrate_batchnorm
+    from genserve.services.gan.sampling import recalibrate_batchnorm
 
     generator = Generator(GANConfig(z_dim=8, g_channels=(16, 8, 8, 4), d_channels=(4, 8, 8)))
     generator.project_norm.running_mean.fill_(5.0)  # stale statistics, as in a weight-averaged generator

@@ -5,9 +5,9 @@ import argparse
 import torch
 from safetensors.torch import load_file
 
-from services.gan import train
-from services.gan.model import load_generator
-from shared.checkpoint import read_extra
+from genserve.services.gan import train
+from genserve.services.gan.model import load_generator
+from genserve.shared.checkpoint import read_extra
 
 
 def _args(run_dir, out, steps: int) -> argparse.Namespace:
@@ -70,8 +70,8 @@ def test_ema_update_interpolates_parameters_and_copies_buffers():
 
 
 def test_latent_space_run_uses_the_vae_decoder_and_exports(tmp_path):
-    from services.vae.model import VAE, VAEConfig
-    from shared.checkpoint import save_checkpoint
+    from genserve.shared.blocks.autoencoder import VAE, VAEConfig
+    from genserve.shared.checkpoint import save_checkpoint
 
     vae_config = VAEConfig(block_out_channels=(8, 16, 16), norm_groups=4, scaling_factor=0.5)
     vae = VAE(vae_config)

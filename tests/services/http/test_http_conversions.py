@@ -8,20 +8,20 @@ import json
 
 import pytest
 from fastapi.responses import PlainTextResponse
-from genserve.v1 import common_pb2, text_pb2
 from pydantic import ValidationError
 from ray.exceptions import RayTaskError
 from ray.serve.exceptions import BackPressureError
 from starlette.testclient import TestClient
 
-from services.common.errors import InvalidArgument
-from services.common.validation import MAX_SEED
-from services.http import images, text
-from services.http.app import TEXT_ERRORS, BodyLimit, _field_loc
-from services.http.errors import describe, rename
-from services.http.schemas import ChatBody, CompletionBody, ImageBody
-from services.http.streams import batches, merge
-from services.text.engine import PromptTooLong
+from genserve.services.common.errors import InvalidArgument
+from genserve.services.common.validation import MAX_SEED
+from genserve.services.http import images, text
+from genserve.services.http.app import TEXT_ERRORS, BodyLimit, _field_loc
+from genserve.services.http.errors import describe, rename
+from genserve.services.http.schemas import ChatBody, CompletionBody, ImageBody
+from genserve.services.http.streams import batches, merge
+from genserve.services.text.engine.params import PromptTooLong
+from genserve.v1 import common_pb2, text_pb2
 
 CHAT = {"model": "text", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.shapes.dataset import (
+from genserve.services.shapes.dataset import (
     COLOURS,
     POSITIONS,
     SHAPES,

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.shapes.dataset import all_attribute_combinations, render, sample_batch, to_tensor
-from services.shapes.reader import accuracy, is_valid, read_attributes, read_batch
+from genserve.services.shapes.dataset import all_attribute_combinations, render, sample_batch, to_tensor
+from genserve.services.shapes.reader import accuracy, is_valid, read_attributes, read_batch
 
 
 def test_reader_accuracy_on_heldout_images_is_at_least_98_percent():

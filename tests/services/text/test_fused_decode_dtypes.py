@@ -7,11 +7,10 @@ import pytest
 import torch
 from text_helpers import byte_tokenizer, hf_model, save_hf
 
-from services.text.engine import EngineConfig, LLMEngine, SamplingParams
-from services.text.loader import load_model
-from services.text.quantize import Int8Linear
-
-pytest.importorskip("transformers")
+from genserve.services.text.engine.engine import EngineConfig, LLMEngine
+from genserve.services.text.engine.params import SamplingParams
+from genserve.services.text.loader import load_model
+from genserve.services.text.quantize import Int8Linear
 
 PROMPTS = [list(range(1, 20)), list(range(40, 45)), list(range(100, 131))]
 

@@ -9,7 +9,7 @@ import torch
 from text_helpers import hf_model, make_engine, save_hf
 from torch import nn
 
-from services.text.runners.huge_pages import ALIGN, HUGE_PAGE, move_to_huge_pages
+from genserve.services.text.runners.huge_pages import ALIGN, HUGE_PAGE, move_to_huge_pages
 
 pytestmark = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.text import default_model
+from genserve.services.text import default_model
 
 
 @pytest.fixture

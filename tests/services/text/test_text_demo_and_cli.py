@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from services.text import generate, train
-from services.text.engine import AsyncLLMEngine, PromptTooLong, SamplingParams
-from services.text.engine.async_engine import DEMO_DIR
+from genserve.services.text import generate, train
+from genserve.services.text.engine.async_engine import DEMO_DIR, AsyncLLMEngine
+from genserve.services.text.engine.params import PromptTooLong, SamplingParams
 
 
 def parse(module, argv: list[str]) -> argparse.Namespace:

@@ -8,17 +8,10 @@ import pytest
 import torch
 from text_helpers import VOCAB, byte_tokenizer, hf_model, save_hf
 
-from services.text.engine import (
-    AsyncLLMEngine,
-    EngineConfig,
-    EngineOverloaded,
-    LLMEngine,
-    PromptTooLong,
-    SamplingParams,
-)
-from services.text.loader import load_model
-
-pytest.importorskip("transformers")
+from genserve.services.text.engine.async_engine import AsyncLLMEngine
+from genserve.services.text.engine.engine import EngineConfig, LLMEngine
+from genserve.services.text.engine.params import EngineOverloaded, PromptTooLong, SamplingParams
+from genserve.services.text.loader import load_model
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +53,7 @@ def test_preemption_under_a_tiny_block_budget_still_finishes_every_request_corre
     # 16 blocks of 4 tokens cannot hold six sequences of up to ~60 tokens at once.
     tight = engine_for(model, num_blocks=16, max_batched_tokens=16)
     squeezed = tight.generate_batch(ps, params)
-    assert tight.scheduler.num_preemptions > 0
+    assert tight.counters().preemptions > 0
     assert squeezed == roomy
     assert tight.kv_blocks_free == 16
 
@@ -233,9 +226,9 @@ def test_concurrent_streams_share_the_batch_and_match_offline_results(model):
 
 
 def test_seed_options_gated_parallel_moe_round_trip_and_decode_like_the_full_forward(tmp_path):
-    from services.text.config import LlamaConfig
-    from services.text.loader import save_model
-    from services.text.model import LlamaForCausalLM
+    from genserve.services.text.config import LlamaConfig
+    from genserve.services.text.loader import save_model
+    from genserve.services.text.model import LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_position=128,
                       gated_attention=True, parallel_block=True, n_experts=4, n_experts_per_token=2)

@@ -8,19 +8,19 @@ import json
 import numpy as np
 import pytest
 import torch
+import transformers
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize
 from gguf_helpers import CHATML, write_gguf
 from text_helpers import VOCAB, byte_tokenizer, hf_model
 from tokenizers import Tokenizer
 
-from services.text.engine import EngineConfig, LLMEngine, SamplingParams
-from services.text.gguf import GGUFCheckpoint, tensor_weight, unpermute_index
-from services.text.loader import load_model
-from services.text.tokenizer import NoChatTemplate, TextTokenizer
-from shared.blocks.quant_linear import QuantLinear
-
-transformers = pytest.importorskip("transformers")
+from genserve.services.text.engine.engine import EngineConfig, LLMEngine
+from genserve.services.text.engine.params import SamplingParams
+from genserve.services.text.gguf import GGUFCheckpoint, tensor_weight, unpermute_index
+from genserve.services.text.loader import load_model
+from genserve.services.text.tokenizer import NoChatTemplate, TextTokenizer
+from genserve.shared.blocks.quant_linear import QuantLinear
 
 LOGITS_ATOL = 1e-4
 NEW_TOKENS = 24
@@ -213,8 +213,8 @@ def test_a_jinja_file_beside_a_gguf_overrides_its_metadata(demo_gguf, tmp_path):
 def test_no_chat_template_is_failed_precondition_never_a_guess(tmp_path):
     import grpc
 
-    from services.common.errors import to_status
-    from services.text.app import TextGeneration
+    from genserve.services.common.errors import to_status
+    from genserve.services.text.app import TextGeneration
 
     path = write_gguf(tmp_path / "plain.gguf", hf_model("llama"), tokenizer=byte_tokenizer()._tok)
     tokenizer = TextTokenizer.from_dir(path)
@@ -239,7 +239,7 @@ def test_int8_and_bfloat16_serving_of_a_gguf_file(tmp_path):
 
 
 def test_pre_tokenizers_split_digits_as_llama_cpp_names_them():
-    from services.text.gguf_tokenizer import pre_tokenizer
+    from genserve.services.text.gguf_tokenizer import pre_tokenizer
 
     def words(name: str, text: str) -> list[str]:
         return [w for w, _ in pre_tokenizer(name).pre_tokenize_str(text)]
@@ -253,7 +253,7 @@ def test_pre_tokenizers_split_digits_as_llama_cpp_names_them():
 
 
 def test_bos_is_added_when_the_metadata_asks():
-    from services.text.gguf_tokenizer import gguf_tokenizer
+    from genserve.services.text.gguf_tokenizer import gguf_tokenizer
 
     metadata = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["<s>", "a", "b", "ab"],
                 "tokenizer.ggml.token_type": [3, 1, 1, 1], "tokenizer.ggml.merges": ["a b"],

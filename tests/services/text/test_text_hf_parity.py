@@ -6,10 +6,8 @@ import pytest
 import torch
 from text_helpers import VOCAB, hf_model, make_engine, save_hf
 
-from services.text.engine import SamplingParams
-from services.text.loader import load_model
-
-pytest.importorskip("transformers")
+from genserve.services.text.engine.params import SamplingParams
+from genserve.services.text.loader import load_model
 
 CASES = {
     "llama": {},

@@ -7,12 +7,11 @@ import pytest
 import torch
 from text_helpers import VOCAB, byte_tokenizer, hf_model, save_hf
 
-from services.text.engine import EngineConfig, LLMEngine, SamplingParams
-from services.text.engine.kv_cache import BlockManager, block_hash
-from services.text.loader import load_model
-from services.text.runners.cpu import CpuRunner
-
-pytest.importorskip("transformers")
+from genserve.services.text.engine.engine import EngineConfig, LLMEngine
+from genserve.services.text.engine.kv_cache import BlockManager, block_hash
+from genserve.services.text.engine.params import SamplingParams
+from genserve.services.text.loader import load_model
+from genserve.services.text.runners.cpu import CpuRunner
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -167,15 +166,15 @@ def test_preemption_with_shared_prefixes_gives_the_same_tokens_and_returns_every
     # 20 blocks of 4: even sharing the system prompt's 10, the four requests (50-70 tokens) cannot all stay.
     tight = engine_for(model, num_blocks=20, max_batched_tokens=16)
     assert tight.generate_batch(PROMPTS, GREEDY) == expected
-    assert tight.scheduler.num_preemptions > 0 and tight.scheduler.hit_tokens > 0
+    assert tight.counters().preemptions > 0 and tight.counters().hit_tokens > 0
     assert tight.kv_blocks_free == 20
 
 
 def test_the_cuda_runner_reads_cached_prefixes_like_the_cpu_runner(tmp_path):
     """The CUDA runner's math (Triton kernels, run by the interpreter on CPU tensors): a prefill chunk that starts
     after 32 cached tokens attends to them through the paged cache."""
-    pytest.importorskip("triton")
-    from shared.blocks.backend import get_backend
+    pytest.importorskip("triton", reason="triton is not installed on this platform")
+    from genserve.shared.blocks.backend import get_backend
 
     torch.manual_seed(0)
     directory = save_hf(hf_model("llama"), tmp_path, sharded=False)

@@ -9,10 +9,8 @@ import torch
 from text_helpers import hf_model, make_engine, save_hf
 from torch import nn
 
-from services.text.engine import SamplingParams
-from shared.blocks.quant_linear import QuantLinear
-
-pytest.importorskip("transformers")
+from genserve.services.text.engine.params import SamplingParams
+from genserve.shared.blocks.quant_linear import QuantLinear
 
 QTYPES = {"q_proj": "Q4_1", "k_proj": "Q4_0", "v_proj": "Q8_0", "o_proj": "Q4_1", "gate_proj": "Q4_0",
           "up_proj": "Q4_1", "down_proj": "Q8_0", "lm_head": "Q8_0"}

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from services.common.validation import MAX_SEED
-from services.text.app import MAX_SCHEMA_DEPTH, TextIn, json_depth
-from services.text.engine.params import MIN_REPETITION_PENALTY, MIN_TEMPERATURE, SamplingParams
+from genserve.services.common.validation import MAX_SEED
+from genserve.services.text.engine.params import MIN_REPETITION_PENALTY, MIN_TEMPERATURE, SamplingParams
+from genserve.services.text.schema import MAX_SCHEMA_DEPTH, TextIn, json_depth
 
 
 def error_loc(**fields) -> tuple:

@@ -14,15 +14,15 @@ import pytest
 import torch
 from text_helpers import VOCAB, byte_tokenizer, hf_model, save_hf
 
-import kernels
-from services.text.engine import EngineConfig, LLMEngine, SamplingParams
-from services.text.loader import load_model
-from services.text.runners.cpu import CpuRunner
-from services.text.runners.cuda import CudaRunner
-from shared.blocks.backend import get_backend
+from genserve import kernels
+from genserve.services.text.engine.engine import EngineConfig, LLMEngine
+from genserve.services.text.engine.params import SamplingParams
+from genserve.services.text.loader import load_model
+from genserve.services.text.runners.cpu import CpuRunner
+from genserve.services.text.runners.cuda import CudaRunner
+from genserve.shared.blocks.backend import get_backend
 
-pytest.importorskip("transformers")
-pytest.importorskip("triton")
+pytest.importorskip("triton", reason="triton is not installed on this platform")
 
 ROOT = Path(__file__).resolve().parents[3]
 CASES = {
@@ -95,8 +95,8 @@ def test_triton_runner_samples_what_the_cpu_runner_samples(checkpoint) -> None:
 def _generate_json(directory: Path, backend: str) -> dict:
     env = {**os.environ, "GENSERVE_BACKEND": backend, "TRITON_INTERPRET": "1"}
     out = subprocess.run(
-        [sys.executable, "-m", "services.client.cli", "generate", "--model-dir", str(directory), "--temperature", "0",
-         "--max-tokens", str(NEW_TOKENS), "--json", PROMPT],
+        [sys.executable, "-P", "-m", "genserve.services.client.cli", "generate", "--model-dir", str(directory),
+         "--temperature", "0", "--max-tokens", str(NEW_TOKENS), "--json", PROMPT],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=True)
     return json.loads(out.stdout)
 

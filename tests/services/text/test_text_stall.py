@@ -9,9 +9,10 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from services.text.engine import AsyncLLMEngine, SamplingParams
-from services.text.engine.progress import DEFAULT_STALL_S, StallDetector
-from services.text.settings import TextArgs
+from genserve.services.text.engine.async_engine import AsyncLLMEngine
+from genserve.services.text.engine.params import SamplingParams
+from genserve.services.text.engine.progress import DEFAULT_STALL_S, StallDetector
+from genserve.services.text.settings import TextArgs
 
 
 class Clock:

@@ -7,19 +7,17 @@ import asyncio
 import json
 import re
 
+import jsonschema
 import pytest
 import torch
 from text_helpers import VOCAB, byte_tokenizer, hf_model, save_hf
 
-from services.text.engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
-from services.text.engine.async_engine import DEMO_DIR
-from services.text.engine.grammar import apply_bitmask
-from services.text.engine.params import InvalidJsonSchema, InvalidRegex
-from services.text.loader import load_model
-from services.text.tokenizer import TextTokenizer
-
-jsonschema = pytest.importorskip("jsonschema")
-pytest.importorskip("xgrammar")
+from genserve.services.text.engine.async_engine import DEMO_DIR, AsyncLLMEngine
+from genserve.services.text.engine.engine import EngineConfig, LLMEngine
+from genserve.services.text.engine.grammar import apply_bitmask
+from genserve.services.text.engine.params import InvalidJsonSchema, InvalidRegex, SamplingParams
+from genserve.services.text.loader import load_model
+from genserve.services.text.tokenizer import TextTokenizer
 
 # A nested object, an array and an enum; sizes bounded so that a sampled 4M-parameter model always completes it
 # well within max_tokens (it cannot wander off into an endless string).
@@ -123,7 +121,7 @@ def test_a_preempted_structured_request_keeps_its_grammar_state(demo):
     params = [sampled(s, json_schema=json.dumps(SCHEMA)) for s in range(6)]
     roomy = demo.generate_batch([prompt] * 6, params)
     assert tight.generate_batch([prompt] * 6, params) == roomy
-    assert tight.scheduler.num_preemptions > 0
+    assert tight.counters().preemptions > 0
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,13 @@ import pytest
 import torch
 from text_helpers import byte_tokenizer
 
-from services.text.config import LlamaConfig, from_hf, to_hf
-from services.text.engine.detokenizer import IncrementalDetokenizer, StopChecker
-from services.text.engine.kv_cache import BlockManager, block_bytes
-from services.text.engine.params import SamplingParams
-from services.text.engine.sampler import apply_penalties, draw, filter_logits, make_generator
-from services.text.loader import load_model, weight_files
-from services.text.tokenizer import TextTokenizer
+from genserve.services.text.config import LlamaConfig, from_hf, to_hf
+from genserve.services.text.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from genserve.services.text.engine.kv_cache import BlockManager, block_bytes
+from genserve.services.text.engine.params import SamplingParams
+from genserve.services.text.engine.sampler import apply_penalties, draw_batch, filter_logits_batch, make_generator
+from genserve.services.text.loader import load_model, weight_files
+from genserve.services.text.tokenizer import TextTokenizer
 
 UNICODE_TEXT = "naïve café — 世界 🙂 ok"
 
@@ -52,7 +52,10 @@ def test_sampling_params_validation_names_the_field():
 
 def test_top_k_top_p_min_p_keep_exactly_the_expected_tokens():
     logits = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03]))
-    kept = lambda **kw: torch.isfinite(filter_logits(logits, SamplingParams(**kw))).nonzero().flatten().tolist()  # noqa: E731
+    def kept(**kw) -> list[int]:
+        filtered = filter_logits_batch(logits[None], [SamplingParams(**kw)])[0]
+        return torch.isfinite(filtered).nonzero().flatten().tolist()
+
     assert kept(top_k=2) == [0, 1]
     assert kept(top_p=0.75) == [0, 1]  # 0.5 + 0.25 reaches 0.75: the third token is dropped
     assert kept(top_p=0.76) == [0, 1, 2]
@@ -60,13 +63,17 @@ def test_top_k_top_p_min_p_keep_exactly_the_expected_tokens():
     assert kept(top_p=1.0) == [0, 1, 2, 3, 4]
 
 
+def _draw(logits: torch.Tensor, generator: torch.Generator) -> int:
+    return int(draw_batch(logits[None], torch.rand((1,), generator=generator, dtype=torch.float64))[0])
+
+
 def test_draw_follows_the_distribution_and_the_seed():
     logits = torch.log(torch.tensor([0.7, 0.2, 0.1]))
     g = make_generator(3)
-    counts = torch.bincount(torch.tensor([draw(logits, g) for _ in range(4000)]), minlength=3).float() / 4000
+    counts = torch.bincount(torch.tensor([_draw(logits, g) for _ in range(4000)]), minlength=3).float() / 4000
     assert torch.allclose(counts, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
     a, b = make_generator(5), make_generator(5)
-    assert [draw(logits, a) for _ in range(20)] == [draw(logits, b) for _ in range(20)]
+    assert [_draw(logits, a) for _ in range(20)] == [_draw(logits, b) for _ in range(20)]
 
 
 def test_penalties_follow_ctrl_and_openai_definitions():
@@ -128,7 +135,7 @@ def test_chat_template_renders_messages_and_validates_them():
 
 
 def test_int8_weight_only_linear_stays_within_quantisation_error():
-    from services.text.quantize import Int8Linear
+    from genserve.services.text.quantize import Int8Linear
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(512, 96, bias=True)
@@ -142,8 +149,8 @@ def test_int8_weight_only_linear_stays_within_quantisation_error():
 
 
 def test_int8_checkpoint_loading_reports_its_dtype_and_size(tmp_path):
-    from services.text.loader import save_model
-    from services.text.model import LlamaForCausalLM
+    from genserve.services.text.loader import save_model
+    from genserve.services.text.model import LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=48, max_position=64,
                       tie_embeddings=True)

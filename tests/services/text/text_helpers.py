@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from services.text.engine import EngineConfig, LLMEngine
-from services.text.loader import load_model
-from services.text.tokenizer import TextTokenizer
+from genserve.services.text.engine.engine import EngineConfig, LLMEngine
+from genserve.services.text.loader import load_model
+from genserve.services.text.tokenizer import TextTokenizer
 
 VOCAB = 256
 

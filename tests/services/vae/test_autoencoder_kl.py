@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.vae.autoencoder_kl import is_autoencoder_kl, load_autoencoder_kl
+from genserve.shared.blocks.autoencoder_kl import is_autoencoder_kl, load_autoencoder_kl
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,13 @@ import asyncio
 
 import pytest
 import torch
-from genserve.v1 import common_pb2, vae_pb2
 
-from services.common.batcher import BatchArgs
-from services.common.errors import InvalidArgument
-from services.common.images import tensor_message, to_png
-from services.vae.app import Vae
-from services.vae.model import load_vae
+from genserve.services.common.batcher import BatchArgs
+from genserve.services.common.errors import InvalidArgument
+from genserve.services.common.images import tensor_message, to_png
+from genserve.services.vae.app import Vae
+from genserve.services.vae.model import load_vae
+from genserve.v1 import common_pb2, vae_pb2
 
 
 def app(wait_s: float = 0.2) -> Vae:

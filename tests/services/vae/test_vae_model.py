@@ -5,10 +5,11 @@ import dataclasses
 import pytest
 import torch
 
-from services.shapes.dataset import sample_batch
-from services.vae.evaluate import psnr
-from services.vae.model import VAE, VAEConfig, load_vae
-from shared.checkpoint import save_checkpoint
+from genserve.services.shapes.dataset import sample_batch
+from genserve.services.vae.evaluate import psnr
+from genserve.services.vae.model import load_vae
+from genserve.shared.blocks.autoencoder import VAE, VAEConfig
+from genserve.shared.checkpoint import save_checkpoint
 
 TINY = VAEConfig(block_out_channels=(8, 16, 16), norm_groups=4)
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.vae import train
-from services.vae.model import load_vae
-from shared.checkpoint import read_extra
+from genserve.services.vae import train
+from genserve.services.vae.model import load_vae
+from genserve.shared.checkpoint import read_extra
 
 
 def _args(run_dir, out, steps: int) -> argparse.Namespace:

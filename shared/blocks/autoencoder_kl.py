@@ -1,5 +1,6 @@
 """diffusers' AutoencoderKL (the Stable Diffusion VAE) from its folder, ``config.json`` +
-``diffusion_pytorch_model.safetensors``, mapped onto our VAE (services/vae/model.py), whose module tree follows it.
+``diffusion_pytorch_model.safetensors``, mapped onto our VAE
+(shared/blocks/autoencoder.py), whose module tree follows it.
 
 The only renames: the mid-block attention's projections live in ``attentions.0.attn`` here (our
 SpatialSelfAttention composes a CrossAttention), and pre-0.14 diffusers saves name them query/key/value/proj_attn.
@@ -14,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from services.vae.model import VAE, VAEConfig
-from shared.checkpoint import load_state_strict, read_safetensors_dir, supported
+from genserve.shared.blocks.autoencoder import VAE, VAEConfig
+from genserve.shared.checkpoint import load_state_strict, read_safetensors_dir, supported
 
 CLASS_NAME = "AutoencoderKL"
 _OLD_ATTENTION = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_attn": "to_out.0"}

@@ -1,7 +1,9 @@
-"""What one engine step hands the model: a flat batch of tokens from many sequences (decode tokens first, then
-prefill chunks) and where each token's K/V lives in the paged cache (docs/architecture.md layout).
+"""Paged attention's metadata (Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving with
+PagedAttention"): a flat batch of tokens from many sequences (decode tokens first, then prefill chunks) and where
+each token's K/V lives in a paged cache of (num_blocks, block_size, Hkv, D) per layer (docs/architecture.md).
 
-The model reads this; the engine builds it (``services/text/engine/batch.py``). Nothing here knows about requests.
+``MultiHeadAttention.forward_paged`` reads this; the text engine builds it (``services/text/engine/batch.py``).
+Nothing here knows about requests.
 """
 
 from __future__ import annotations
@@ -48,3 +50,11 @@ class PagedBatch:
             decode_tables=self.decode_tables.to(device), decode_lens=self.decode_lens.to(device),
             prefills=tuple(PrefillChunk(c.offset, c.length, c.start, c.table.to(device)) for c in self.prefills),
             logits_index=self.logits_index.to(device))
+
+
+def gather(cache: torch.Tensor, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Positions start..end-1 of one sequence (its blocks: ``table``) out of a paged cache -> (1, Hkv, end-start, D)."""
+    block_size = cache.shape[1]
+    pos = torch.arange(start, end, device=cache.device)
+    slots = table[pos // block_size] * block_size + pos % block_size
+    return cache.view(-1, cache.shape[2], cache.shape[3])[slots].transpose(0, 1)[None]

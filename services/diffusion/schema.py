@@ -1,0 +1,61 @@
+"""The diffusion service's wire schema: what a DiffusionRequest may hold once validated, with the one set of limits
+that the gRPC handler (services/diffusion/app.py) and the HTTP ingress (services/http) apply, and the errors each
+maps to a status. Torch-free: the ingress imports it without the model code."""
+
+from __future__ import annotations
+
+import grpc
+from pydantic import Field, ValidationInfo, field_validator
+from ray.serve.exceptions import BackPressureError
+
+from genserve.services.common.validation import MAX_SEED, Request
+from genserve.services.diffusion.params import (
+    DEFAULT_GUIDANCE_SCALE,
+    DEFAULT_STEPS,
+    GUIDANCE_MODES,
+    MAX_GUIDANCE_SCALE,
+    MAX_NEGATIVE_WEIGHT,
+    MAX_PROMPT_CHARS,
+    MAX_STEPS,
+    SCHEDULERS,
+    GenerationCancelled,
+)
+
+# One request holds a slot in the loop for all its steps; a small batch keeps the queue moving.
+MAX_IMAGES = 8
+# U-Net rows of the largest request: MAX_IMAGES images × 3 passes (Perp-Neg with a negative prompt).
+MAX_REQUEST_ROWS = 3 * MAX_IMAGES
+
+# The request fields that name one of a fixed set ("" = the model's default): what the error calls it, the names.
+_NAMED_CHOICES = {"guidance": ("guidance mode", GUIDANCE_MODES), "scheduler": ("scheduler", tuple(sorted(SCHEDULERS)))}
+
+
+class DiffusionIn(Request):
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    negative_prompt: str = Field("", max_length=MAX_PROMPT_CHARS)
+    num_images: int = Field(1, ge=1, le=MAX_IMAGES)
+    steps: int = Field(DEFAULT_STEPS, ge=1, le=MAX_STEPS)
+    guidance_scale: float = Field(DEFAULT_GUIDANCE_SCALE, ge=0, le=MAX_GUIDANCE_SCALE, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    scheduler: str = ""
+    eta: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
+    preview_every: int = Field(0, ge=0, le=MAX_STEPS)
+    width: int | None = Field(None, ge=1)
+    height: int | None = Field(None, ge=1)
+    guidance: str = ""
+    negative_weight: float | None = Field(None, ge=0, le=MAX_NEGATIVE_WEIGHT, allow_inf_nan=False)
+
+    @field_validator("guidance", "scheduler")
+    @classmethod
+    def _known_name(cls, name: str, info: ValidationInfo) -> str:
+        kind, names = _NAMED_CHOICES[info.field_name]
+        if name and name not in names:
+            raise ValueError(f"unknown {kind} {name!r}; one of {', '.join(names)}")
+        return name
+
+
+# BackPressureError: the `vae` application's queue is full, so this request cannot be decoded now.
+KNOWN_ERRORS: dict[type[Exception], tuple[grpc.StatusCode, str | None]] = {
+    GenerationCancelled: (grpc.StatusCode.CANCELLED, None),
+    BackPressureError: (grpc.StatusCode.RESOURCE_EXHAUSTED, None),
+}
