@@ -171,7 +171,9 @@ def measure(args: argparse.Namespace) -> list[tuple[str, np.ndarray, str]]:
     if args.behind:
         rows += front_rows(args)
     if args.address_is_ours:
-        rows.append(engine_in_process(args.n_generate))
+        with Client(args.address, timeout=60, tls=args.tls) as client:
+            served = client.model_info().model_path
+        rows.append(engine_in_process(served, args.n_generate))
     return rows
 
 
@@ -299,12 +301,13 @@ def concurrent_rows(args: argparse.Namespace) -> list[tuple[str, float, float]]:
     return rows + ([llama] if llama else [])
 
 
-def engine_in_process(n: int) -> tuple[str, np.ndarray, str]:
-    """The same 16-token generation on the engine in this process (the served demo model): the model's share."""
+def engine_in_process(model_path: str, n: int) -> tuple[str, np.ndarray, str]:
+    """The same 16-token generation on the engine in this process, on the file or folder the stack serves
+    (GetModelInfo's model_path): the model's share."""
     from genserve.services.text.engine.async_engine import AsyncLLMEngine
     from genserve.services.text.engine.params import SamplingParams
 
-    engine = AsyncLLMEngine.from_dir(os.environ.get("GENSERVE_TEXT_MODEL"))
+    engine = AsyncLLMEngine.from_dir(model_path)
     prompt = engine.tokenizer.encode("The with statement")
     params = SamplingParams(max_tokens=16, temperature=0)
     tokens: list[int] = []

@@ -1,8 +1,10 @@
-"""Flash attention forward: the seed's Algorithm 3 with the FlashAttention-2 work split (Remark 12).
+"""Flash attention forward: Algorithm 3 ("Flash Attention (Simplified)") of the chapter "Deep Learning Building Blocks",
+with the FlashAttention-2 work split (Remark 12, "FlashAttention-2 and Beyond").
 
 One program owns one query block Q_i of one (sequence, query head) and streams the key/value blocks (K_j, V_j) of
 that head's KV group past it, keeping the running row maxima m, row sums l and the unnormalised output in registers.
-HBM traffic is therefore Theta(N^2 d^2 / M) (Proposition 2): the N x N score matrix is never written.
+HBM traffic is therefore Theta(N^2 d^2 / M) (Proposition 2, "IO Complexity of Flash Attention"): the N x N score
+matrix is never written.
 
 Choices that the algorithm leaves open:
 - GQA/MQA is native: query head h reads KV head h // (Hq // Hkv); K and V are never expanded.
@@ -52,10 +54,10 @@ INTERPRET_CONFIG = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64})
 
 @triton.jit
 def online_softmax_step(qk, qk_scale, m_i, l_i, acc, v, DOT_PRECISION: tl.constexpr):
-    """Algorithm 3, steps 8-10, for one block of raw scores qk (rows, BLOCK_N), masked entries -inf, in base 2
-    (qk_scale includes log2 e): m_new = max(m, rowmax(S) * scale), then the running sums l and the unnormalised
-    output rescaled by exp2(m - m_new) plus this block's exp2(S * scale - m_new) and its product with V.
-    Returns (acc, l, m_new). Shared by this kernel and the paged decode kernel."""
+    """Algorithm 3 ("Flash Attention (Simplified)"), steps 8-10, for one block of raw scores qk (rows, BLOCK_N),
+    masked entries -inf, in base 2 (qk_scale includes log2 e): m_new = max(m, rowmax(S) * scale), then the running
+    sums l and the unnormalised output rescaled by exp2(m - m_new) plus this block's exp2(S * scale - m_new) and its
+    product with V. Returns (acc, l, m_new). Shared by this kernel and the paged decode kernel."""
     m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     p = tl.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
@@ -255,7 +257,8 @@ def flash_attention(
     max_seqlen_q: int | None = None,
     window: int = 0,
 ) -> torch.Tensor:
-    """softmax(q k^T * sm_scale [+ causal mask]) v, computed by Algorithm 3 without materialising the scores.
+    """softmax(q k^T * sm_scale [+ causal mask]) v, computed by Algorithm 3 ("Flash Attention (Simplified)") without
+    materialising the scores.
     With ``window`` > 0 (causal only) query i also sees no key more than ``window`` - 1 positions before its own:
     i - window < j <= i in absolute positions (Mistral's sliding window, shared/blocks/masks.py).
 

@@ -1,4 +1,5 @@
-"""Decode attention over a paged KV cache: one query token per sequence (seed Definition 16, the KV cache).
+"""Decode attention over a paged KV cache: one query token per sequence (Definition 16, "KV Cache", of the chapter
+"Deep Learning Building Blocks").
 
 The cache layout is the engine's (docs/architecture.md): `k_cache`/`v_cache` are (num_blocks, block_size, Hkv, D);
 token t of sequence b lives in block `block_tables[b, t // block_size]`, slot `t % block_size`.
@@ -9,7 +10,8 @@ bandwidth, not by compute. Two choices follow:
   per query head. The group's query rows form the M side of a tensor-core dot (padded to 16 rows).
 - Split-K (flash-decoding): when B * Hkv programs cannot fill the GPU (small batches, long contexts), each sequence's
   context is cut into splits that run in parallel; each split keeps its own online-softmax state (m, l, unnormalised
-  output, as in Algorithm 3) and a second small kernel merges them by rescaling with exp(m_s - max_s m_s).
+  output, as in Algorithm 3, "Flash Attention (Simplified)") and a second small kernel merges them by rescaling with
+  exp(m_s - max_s m_s).
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ def _paged_decode_kernel(
         if UPCAST:
             k_t = k_t.to(tl.float32)
             v = v.to(tl.float32)
-        # -- scores in log2 units, then the online-softmax update of Algorithm 3 (steps 7-10) --
+        # -- scores in log2 units, then the online-softmax update (steps 7-10) of Algorithm 3,
+        # "Flash Attention (Simplified)" --
         qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)
         qk = tl.where(tok_ok[None, :], qk, float("-inf"))
         acc, l_i, m_i = online_softmax_step(qk, qk_scale, m_i, l_i, acc, v, DOT_PRECISION)

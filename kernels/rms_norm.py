@@ -1,4 +1,5 @@
-"""RMSNorm (seed Definition 19) with the residual add fused in: one read of x (and the residual), one write of y.
+"""RMSNorm (Definition 19, "Root Mean Square Layer Normalisation", of the chapter "Deep Learning Building Blocks") with
+the residual add fused in: one read of x (and the residual), one write of y.
 
     RMSNorm(x) = x / sqrt(mean(x^2) + eps) * gamma
 

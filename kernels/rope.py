@@ -1,10 +1,11 @@
-"""Rotary position embeddings (seed Definition 15) applied to q and k in place, in one pass over both.
+"""Rotary position embeddings (Definition 15, "Rotary Position Embedding", of the chapter
+"Deep Learning Building Blocks") applied to q and k in place, in one pass over both.
 
 Each pair of coordinates (x_a, x_b) of a head is rotated by the planar rotation R(m theta_i):
     x_a' = x_a cos(m theta_i) - x_b sin(m theta_i),    x_b' = x_b cos(m theta_i) + x_a sin(m theta_i).
 The pairing is the only difference between the two conventions:
 - rotate-half (HF Llama/Mistral/Qwen2): pair i is (x_i, x_{i + R/2});
-- interleaved (the seed's block-diagonal R_Theta,m, GPT-J): pair i is (x_{2i}, x_{2i+1}).
+- interleaved (the chapter's block-diagonal R_Theta,m, GPT-J): pair i is (x_{2i}, x_{2i+1}).
 The tables are the blocks' `rope_cos_sin` tables, (P, R/2) with R the rotary width: R = D rotates every coordinate;
 R < D (partial rotary) rotates the first R and leaves the rest untouched.
 
@@ -89,7 +90,7 @@ def apply_rope(
     *,
     interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q (B, Hq, T, D) and k (B, Hkv, T, D) by R_Theta,m (ROPE QK); returns (q, k).
+    """Rotate q (B, Hq, T, D) and k (B, Hkv, T, D) by R_Theta,m (the chapter's equation ROPE QK); returns (q, k).
 
     cos/sin are (P, R/2) tables; positions are (T,) or (B, T) row indices < P into them, or None for 0..T-1. The
     rotation is in place when D is contiguous in memory, otherwise on a contiguous copy: always use the returned

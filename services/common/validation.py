@@ -6,7 +6,6 @@ applies; a field that is set, even to zero, is validated as given (temperature 0
 
 from __future__ import annotations
 
-import secrets
 from typing import Any, TypeVar
 
 from google.protobuf.descriptor import FieldDescriptor
@@ -14,8 +13,6 @@ from google.protobuf.message import Message
 from pydantic import BaseModel, ConfigDict
 
 M = TypeVar("M", bound=BaseModel)
-# Seeds travel as int64.
-MAX_SEED = 2**63 - 1
 
 
 class Request(BaseModel):
@@ -45,6 +42,3 @@ def parse(schema: type[M], message: Message) -> M:
     return schema.model_validate(message_to_dict(message))
 
 
-def resolve_seed(seed: int | None) -> int:
-    """The request's seed, or a fresh one the reply reports so the result can be reproduced."""
-    return seed if seed is not None else secrets.randbelow(2**31)

@@ -33,12 +33,11 @@ from genserve.services.common.gate import Gate
 from genserve.services.common.images import image_messages, tensor_message
 from genserve.services.common.metrics import ServiceMetrics
 from genserve.services.common.rpc import streaming, unary, unknown_rpcs
-from genserve.services.common.validation import parse, resolve_seed
-from genserve.services.diffusion.pipeline import (
-    DiffusionPipeline,
-)
+from genserve.services.common.validation import parse
+from genserve.services.diffusion.pipeline import DiffusionPipeline
 from genserve.services.diffusion.schema import KNOWN_ERRORS, MAX_REQUEST_ROWS, DiffusionIn
 from genserve.services.diffusion.step_batcher import StepBatcher
+from genserve.shared.seeds import resolve_seed
 from genserve.v1 import common_pb2, diffusion_pb2, vae_pb2
 
 SERVICE = "genserve.v1.Diffusion"

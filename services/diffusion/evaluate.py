@@ -14,7 +14,8 @@ import time
 import torch
 
 from genserve.services.common.weights import committed_weights
-from genserve.services.diffusion.pipeline import MAX_BATCH, DiffusionPipeline
+from genserve.services.diffusion.params import MAX_BATCH
+from genserve.services.diffusion.pipeline import DiffusionPipeline
 from genserve.services.shapes.dataset import caption, sample_attributes, split_rng
 from genserve.services.shapes.reader import accuracy, read_batch
 from genserve.shared.blocks.autoencoder import VAE, load_autoencoder

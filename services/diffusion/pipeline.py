@@ -37,10 +37,7 @@ from genserve.services.diffusion.params import (
 from genserve.services.diffusion.schedulers import make_scheduler
 from genserve.services.diffusion.sd_folder import is_diffusers_pipeline, load_sd_components
 from genserve.shared.blocks.cross_attention import ContextCache
-
-__all__ = ["DEFAULT_GUIDANCE_SCALE", "DEFAULT_NEGATIVE_WEIGHT", "DEFAULT_STEPS", "GUIDANCE_MODES", "MAX_BATCH",
-           "MAX_GUIDANCE_SCALE", "MAX_NEGATIVE_WEIGHT", "MAX_PROMPT_CHARS", "MAX_STEPS", "SCHEDULERS",
-           "GenerationCancelled", "DiffusionPipeline"]
+from genserve.shared.seeds import resolve_seed
 
 
 class DiffusionPipeline:
@@ -174,7 +171,7 @@ class DiffusionPipeline:
         texts = list(prompts) + self._guidance_texts(n, negative_prompts, guidance, guidance_scale)
         # Every step reads the same text: each cross-attention projects it to keys and values once, not per step.
         cache = ContextCache(self.encode_prompts(texts))  # (kN, T, D), k = 1, 2 or 3
-        generator = torch.Generator().manual_seed(seed if seed is not None else int(torch.seed() % 2**63))
+        generator = torch.Generator().manual_seed(resolve_seed(seed))
         sampler = make_scheduler(scheduler, self.model.schedule(scheduler), eta=eta)
         timesteps = sampler.set_timesteps(steps)
         # Noise is drawn on the CPU generator so a seed gives the same latents on every device.

@@ -8,7 +8,7 @@ import grpc
 from pydantic import Field, ValidationInfo, field_validator
 from ray.serve.exceptions import BackPressureError
 
-from genserve.services.common.validation import MAX_SEED, Request
+from genserve.services.common.validation import Request
 from genserve.services.diffusion.params import (
     DEFAULT_GUIDANCE_SCALE,
     DEFAULT_STEPS,
@@ -20,6 +20,7 @@ from genserve.services.diffusion.params import (
     SCHEDULERS,
     GenerationCancelled,
 )
+from genserve.shared.seeds import MAX_SEED
 
 # One request holds a slot in the loop for all its steps; a small batch keeps the queue moving.
 MAX_IMAGES = 8

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from genserve.services.diffusion.denoising import Denoising
-from genserve.services.diffusion.pipeline import GenerationCancelled
+from genserve.services.diffusion.params import GenerationCancelled
 from genserve.shared.blocks.cross_attention import ContextCache, CrossAttention
 
 UNet = Callable[..., torch.Tensor]  # (x, timesteps, context, *, temb) -> output, like genserve.shared.blocks.unet.UNet

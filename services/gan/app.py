@@ -24,9 +24,10 @@ from genserve.services.common.gate import Gate
 from genserve.services.common.images import images_response
 from genserve.services.common.metrics import ServiceMetrics
 from genserve.services.common.rpc import unary, unknown_rpcs
-from genserve.services.common.validation import Request, parse, resolve_seed
+from genserve.services.common.validation import Request, parse
 from genserve.services.gan.model import load_generator
 from genserve.services.gan.sampling import generate, sample_latents, slerp
+from genserve.shared.seeds import resolve_seed
 from genserve.v1 import common_pb2, gan_pb2
 
 SERVICE = "genserve.v1.ImageGan"

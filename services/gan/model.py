@@ -1,8 +1,9 @@
 """A DCGAN (Radford et al. 2016) for 32×32 shapes, with a spectrally normalised discriminator (Miyato et al. 2018).
 
-The seed's table "Architectures for Generative Models": the generator is an upsampling CNN (here nearest-upsample +
-conv from the shared blocks, which avoids the checkerboard artifacts of Remark 4) with BatchNorm, ReLU and a Tanh
-output; the discriminator is a downsampling CNN of strided convolutions with LeakyReLU and spectral normalisation.
+The table "Architectures for Generative Models" of the chapter "Deep Learning Building Blocks": the generator is an
+upsampling CNN (here nearest-upsample + conv from the shared blocks, which avoids checkerboard artifacts: Remark 4,
+"Checkerboard Artifacts") with BatchNorm, ReLU and a Tanh output; the discriminator is a downsampling CNN of strided
+convolutions with LeakyReLU and spectral normalisation.
 
 Two additions against mode collapse and muddled colours:
 - the discriminator's last feature map gets a minibatch-standard-deviation channel (Karras et al. 2018, §3), so a

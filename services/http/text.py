@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from genserve.services.common.errors import InvalidArgument
-from genserve.services.common.validation import MAX_SEED
 from genserve.services.http.schemas import MAX_CHOICES, ChatBody, ChatMessage, CompletionBody, Sampling
 from genserve.services.text.schema import TextIn
+from genserve.shared.seeds import MAX_SEED
 from genserve.v1 import text_pb2
 
 # The engine's finish reasons in OpenAI's words.

@@ -1,9 +1,10 @@
 """The Llama-family model config, and its translation from/to Hugging Face ``config.json`` files.
 
 One frozen dataclass describes every decoder the text service runs: Llama, Mistral (sliding window), Qwen2
-(q/k/v biases, tied embeddings) and our own models with the seed's options (gated attention, Definition 18;
-parallel block, Definition 21; mixture-of-experts FFN). ``from_hf`` accepts both the transformers 4.x spelling
-(top-level ``rope_theta``/``rope_scaling``, ``torch_dtype``) and the 5.x one (``rope_parameters``, ``dtype``).
+(q/k/v biases, tied embeddings) and our own models with the options of the chapter "Deep Learning Building Blocks"
+(gated attention, Definition 18 "Gated Attention"; parallel block, Definition 21 "Parallel Transformer Block";
+mixture-of-experts FFN). ``from_hf`` accepts both the transformers 4.x spelling (top-level ``rope_theta``/
+``rope_scaling``, ``torch_dtype``) and the 5.x one (``rope_parameters``, ``dtype``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-# The seed options have no HF equivalent; checkpoints that use them carry this architecture name.
+# The chapter's options (module docstring) have no HF equivalent; checkpoints using them carry this architecture name.
 GENSERVE_ARCHITECTURE = "GenserveForCausalLM"
 REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
@@ -38,7 +39,8 @@ class LlamaConfig:
     norm_eps: float = 1e-6
     qkv_bias: bool = False
     tie_embeddings: bool = False
-    # seed options (Definitions 18 and 21, and the MoE FFN); off for every HF architecture
+    # the chapter's options (Definitions 18 "Gated Attention" and 21 "Parallel Transformer Block", and the MoE FFN);
+    # off for every HF architecture
     gated_attention: bool = False
     parallel_block: bool = False
     n_experts: int = 0

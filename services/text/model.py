@@ -1,7 +1,9 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, and our own models with the seed's options), built from
-``genserve.shared.blocks``: RMSNorm pre-norm (Def. 19), RoPE (Def. 15) with the checkpoint's theta and scaling, GQA
-(Def. 17), SwiGLU (Def. 20), optional q/k/v bias, sliding-window attention, gated attention (Def. 18) and the
-parallel block (Def. 21).
+"""The Llama-family decoder (Llama, Mistral, Qwen2, and our own models with the options of the chapter
+"Deep Learning Building Blocks"), built from ``genserve.shared.blocks``: RMSNorm pre-norm (Def. 19,
+"Root Mean Square Layer Normalisation"), RoPE (Def. 15, "Rotary Position Embedding") with the checkpoint's theta and
+scaling, GQA (Def. 17, "Multi-Query and Grouped-Query Attention"), SwiGLU (Def. 20, "SwiGLU"), optional q/k/v bias,
+sliding-window attention, gated attention (Def. 18, "Gated Attention") and the parallel block (Def. 21,
+"Parallel Transformer Block").
 
 Parameter names are Hugging Face's (``model.layers.{i}.self_attn.q_proj.weight`` ...), so HF checkpoints load
 1:1. Two forwards share the weights: ``forward`` over padded-free (B, T) batches for training and tests, and
@@ -27,7 +29,7 @@ from genserve.shared.blocks.rope import RoPE, RopeScaling
 
 class DecoderLayer(nn.Module):
     """x' = x + Attn(Norm(x)); x'' = x' + FFN(Norm(x')) — or, with ``parallel_block``, the single-norm parallel
-    form x' = x + Attn(Norm(x)) + FFN(Norm(x)) (Def. 21).
+    form x' = x + Attn(Norm(x)) + FFN(Norm(x)) (Def. 21, "Parallel Transformer Block").
 
     As in vLLM, the residual stream travels beside the layer's output so that every add lands in the following
     norm (``RMSNorm(x, residual)``, one fused pass on the GPU): a layer takes (its input's last delta, the residual
@@ -84,7 +86,8 @@ class Backbone(nn.Module):
 
 
 def make_rope(cfg: LlamaConfig) -> RoPE:
-    """cos/sin tables for positions 0..max_position-1 with the checkpoint's theta and scaling (Remark 10)."""
+    """cos/sin tables for positions 0..max_position-1 with the checkpoint's theta and scaling
+    (Remark 10, "RoPE in Practice")."""
     return RoPE(cfg.head_dim, cfg.max_position, cfg.rope_theta,
                 RopeScaling.from_hf(dict(cfg.rope_scaling), cfg.max_position))
 

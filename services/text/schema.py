@@ -12,7 +12,7 @@ from typing import Any, Literal
 import grpc
 from pydantic import Field, ValidationInfo, field_validator
 
-from genserve.services.common.validation import MAX_SEED, Request, resolve_seed
+from genserve.services.common.validation import Request
 from genserve.services.text.engine.params import (
     MAX_LOGPROBS,
     MIN_REPETITION_PENALTY,
@@ -24,6 +24,7 @@ from genserve.services.text.engine.params import (
     PromptTooLong,
     SamplingParams,
 )
+from genserve.shared.seeds import MAX_SEED, resolve_seed
 
 # Prompts are capped in tokens by the model's context (the engine's PromptTooLong); before tokenizing, their UTF-8
 # size is capped at this many bytes per context token, against abuse (English runs at about 4 bytes per token).

@@ -20,11 +20,13 @@ class TextArgs(AppArgs):
     # gpu_memory_utilization, applied to what is left); neither: the runner's default. Never below one full context.
     kv_cache_bytes: int | None = Field(None, gt=0)
     kv_cache_fraction: float | None = Field(None, gt=0, lt=1)
-    max_batched_tokens: int = Field(512, ge=1, le=1 << 20)  # tokens per engine step (decode + prefill chunks)
-    max_running: int = Field(64, ge=1, le=4096)  # sequences in the running batch
-    max_lookahead: int = Field(8, ge=1, le=64)  # greedy steps per call where the runner has a multi-step path
-    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA runner)
-    prefix_caching: bool = True  # full KV blocks reused across requests that share a prefix
+    # The defaults are EngineConfig's, set there once.
+    max_batched_tokens: int = Field(EngineConfig.max_batched_tokens, ge=1, le=1 << 20)  # tokens per engine step
+    max_running: int = Field(EngineConfig.max_running, ge=1, le=4096)  # sequences in the running batch
+    # greedy steps per call where the runner has a multi-step path
+    max_lookahead: int = Field(EngineConfig.max_lookahead, ge=1, le=64)
+    cuda_graphs: bool = EngineConfig.cuda_graphs  # decode steps replayed from CUDA graphs (CUDA runner)
+    prefix_caching: bool = EngineConfig.prefix_caching  # full KV blocks reused across requests that share a prefix
     # Work waits and no engine step finished for this long: health says NOT_SERVING and Ray replaces the replica.
     stall_seconds: float = Field(DEFAULT_STALL_S, gt=0, le=3600)
 

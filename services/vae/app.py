@@ -31,10 +31,11 @@ from genserve.services.common.gate import Gate
 from genserve.services.common.images import MAX_PIXELS, from_png, images_response, tensor_from_message, tensor_message
 from genserve.services.common.metrics import ServiceMetrics
 from genserve.services.common.rpc import unary, unknown_rpcs
-from genserve.services.common.validation import Request, parse, resolve_seed
+from genserve.services.common.validation import Request, parse
 from genserve.services.vae.model import load_vae
 from genserve.shared.blocks.autoencoder import VAE
 from genserve.shared.blocks.autoencoder_kl import is_autoencoder_kl, load_autoencoder_kl
+from genserve.shared.seeds import resolve_seed
 from genserve.v1 import common_pb2, vae_pb2
 
 SERVICE = "genserve.v1.Vae"

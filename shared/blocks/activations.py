@@ -1,7 +1,9 @@
-"""Activation functions (seed Def. 2) behind one factory, `activation(name)`.
+"""Activation functions (Def. 2, "Common Activation Functions", of the chapter "Deep Learning Building Blocks")
+behind one factory, `activation(name)`.
 
-Remark 1 of the seed says where each one is used: ReLU/LeakyReLU in CNNs and GAN discriminators, GELU/SiLU in
-Transformers and diffusion U-Nets, sigmoid for probabilities and LSTM gates, tanh for image outputs in [-1, 1].
+Remark 1 of the chapter ("Which Activation Where?") says where each one is used: ReLU/LeakyReLU in CNNs and GAN
+discriminators, GELU/SiLU in Transformers and diffusion U-Nets, sigmoid for probabilities and LSTM gates, tanh for image
+outputs in [-1, 1].
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ ACTIVATION_NAMES: tuple[str, ...] = tuple(_ACTIVATIONS)
 
 
 def activation(name: str, **kwargs: float) -> nn.Module:
-    """Return a fresh activation module for `name` (Def. 2); keyword arguments such as `negative_slope` pass through.
+    """Return a fresh activation module for `name` (Def. 2, "Common Activation Functions"); keyword arguments such
+    as `negative_slope` pass through.
 
     Raises ValueError on an unknown name rather than silently falling back.
     """

@@ -1,6 +1,7 @@
-"""Multi-head self-attention (seed Def. 13) with grouped key/value heads (Def. 17: MHA when n_kv_heads = n_heads,
-GQA in between, MQA when n_kv_heads = 1), optional RoPE (Def. 15), a KV cache (Def. 16) and the optional sigmoid
-output gate of gated attention (Def. 18).
+"""Multi-head self-attention ("Multi-Head Attention", Def. 13 of the chapter "Deep Learning Building Blocks") with
+grouped key/value heads (Def. 17, "Multi-Query and Grouped-Query Attention": MHA when n_kv_heads = n_heads, GQA in
+between, MQA when n_kv_heads = 1), optional RoPE (Def. 15, "Rotary Position Embedding"), a KV cache (Def. 16,
+"KV Cache") and the optional sigmoid output gate of gated attention (Def. 18, "Gated Attention").
 
 Submodule names follow HF Llama/Qwen2 (`q_proj`, `k_proj`, `v_proj`, `o_proj`) so checkpoints map 1:1. The compute
 goes through a backend (shared/blocks/backend.py); the module itself never looks at devices. `forward` attends over
@@ -28,7 +29,7 @@ class MultiHeadAttention(nn.Module):
     """MultiHead(X) = Concat(head_1..head_h) W^O, head_i = Attention(X W_i^Q, X W_g(i)^K, X W_g(i)^V).
 
     With `gated`, Y' = Y * sigmoid(X W_theta) is applied per head dimension to the concatenated heads before W^O
-    (Def. 18); W_theta is `gate_proj`.
+    (Def. 18, "Gated Attention"); W_theta is `gate_proj`.
     """
 
     def __init__(

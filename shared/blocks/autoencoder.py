@@ -1,9 +1,10 @@
 """A small KL-regularised variational autoencoder for 32×32 images (Kingma & Welling 2014; the latent-diffusion
 autoencoder of Rombach et al. 2022), with a 4×8×8 latent.
 
-The seed's table "Architectures for Generative Models" lists the VAE as a downsampling CNN encoder and an upsampling
-CNN decoder; here both are built from the shared blocks: ResBlocks (seed Def. 9, GroupNorm + SiLU), strided-conv
-downsampling and nearest-upsample + conv upsampling (Remark 4: no checkerboard artifacts).
+The table "Architectures for Generative Models" of the chapter "Deep Learning Building Blocks" lists the VAE as a
+downsampling CNN encoder and an upsampling CNN decoder; here both are built from the shared blocks: ResBlocks (Def. 9,
+"Residual Block"; GroupNorm + SiLU), strided-conv downsampling and nearest-upsample + conv upsampling (no checkerboard
+artifacts: Remark 4, "Checkerboard Artifacts").
 
 The module tree follows diffusers' ``AutoencoderKL`` (``encoder.conv_in``, ``encoder.down_blocks.N.resnets.M``,
 ``encoder.down_blocks.N.downsamplers.0.conv``, ``encoder.mid_block.resnets.M``, ``encoder.conv_norm_out``,

@@ -21,15 +21,15 @@ contract in docs/architecture.md):
 - spatial_transformer(x, block, context): a U-Net SpatialTransformer ``block`` (shared/blocks/unet.py) applied to x
   in one fused call, or None where the backend has no fused form for x and the block runs its own ops.
 
-"reference" is the written-out math of the seed, "torch" uses fused torch ops (SDPA), "triton" calls the kernels
-package, and "auto" picks triton for CUDA tensors when triton is importable and no gradient is needed (the kernels
-are forward-only), and torch otherwise. On the CPU, "torch" runs the decode step's hot spots on the C kernels of
-the kernels package (kernels/cpu_gemv.py, kernels/cpu_paged_decode.py): matrix-vector products that stream weights
-at close to memory bandwidth where MKL does not, and paged attention in one call instead of a dozen tensor ops;
-products with GGUF-quantised weights that dequantise each block inside the matrix-vector loop (kernels/cpu_quant.py;
-"triton" runs kernels/quant_matmul.py for them); convolutions on oneDNN, small ones with the weight reordered once
-instead of on every call, the path chosen by one image's size so that batching never changes an image
-(kernels/cpu_conv.py),
+"reference" is the math of the chapter "Deep Learning Building Blocks" written out, "torch" uses fused torch ops
+(SDPA), "triton" calls the kernels package, and "auto" picks triton for CUDA tensors when triton is importable and no
+gradient is needed (the kernels are forward-only), and torch otherwise. On the CPU, "torch" runs the decode step's
+hot spots on the C kernels of the kernels package (kernels/cpu_gemv.py, kernels/cpu_paged_decode.py): matrix-vector
+products that stream weights at close to memory bandwidth where MKL does not, and paged attention in one call instead
+of a dozen tensor ops; products with GGUF-quantised weights that dequantise each block inside the matrix-vector loop
+(kernels/cpu_quant.py; "triton" runs kernels/quant_matmul.py for them); convolutions on oneDNN, small ones with the
+weight reordered once instead of on every call, the path chosen by one image's size so that batching never changes
+an image (kernels/cpu_conv.py),
 GroupNorm + SiLU in one pass over either memory layout (kernels/cpu_group_norm.py), and a U-Net's whole spatial
 transformer in one call on the BLAS sgemm (kernels/cpu_spatial_transformer.py).
 Modules hold a backend and never branch on devices themselves.
@@ -86,7 +86,8 @@ def _needs_grad(*tensors: torch.Tensor | None) -> bool:
 
 
 class ReferenceBackend:
-    """The seed's equations written out: Def. 12 attention, Def. 19 RMSNorm, (ROPE QK)."""
+    """The chapter's equations written out: Def. 12 "Scaled Dot-Product Attention",
+    Def. 19 "Root Mean Square Layer Normalisation" and the RoPE rotation of equation ROPE QK."""
 
     name = "reference"
 

@@ -1,5 +1,7 @@
-"""Convolutions (seed Def. 7), transposed convolutions (Def. 8), the two up/down-sampling layers of U-Nets and GANs
-(Remark 4) and pooling, with the output-size arithmetic of Example 1 and Exercises 5-6.
+"""Convolutions (Def. 7, "2D Convolution Layer", of the chapter "Deep Learning Building Blocks"), transposed
+convolutions (Def. 8, "Transposed Convolution"), the two up/down-sampling layers of U-Nets and GANs (Remark 4,
+"Checkerboard Artifacts") and pooling, with the output-size arithmetic of Example 1 ("Convolution Arithmetic") and the
+chapter's Exercises 5-6.
 
 Downsample and Upsample keep diffusers' submodule name `conv` so their checkpoints map 1:1. `Conv2d` is nn.Conv2d
 with its product dispatched through the backend (same parameters, same checkpoint names).
@@ -15,7 +17,8 @@ from genserve.shared.blocks.backend import Backend, PreparedWeights, get_backend
 
 
 def conv_out(n: int, k: int, s: int = 1, p: int = 0, dilation: int = 1) -> int:
-    """Output length of a convolution: floor((n + 2p - dilation (k - 1) - 1) / s) + 1 (Def. 8's forward rule)."""
+    """Output length of a convolution: floor((n + 2p - dilation (k - 1) - 1) / s) + 1 (the forward rule of Def. 8,
+    "Transposed Convolution")."""
     return (n + 2 * p - dilation * (k - 1) - 1) // s + 1
 
 
@@ -25,9 +28,9 @@ def transposed_conv_out(n: int, k: int, s: int = 1, p: int = 0, op: int = 0) -> 
 
 
 class Conv2d(nn.Conv2d):
-    """A zero-padded 2-D convolution (Def. 7), dilation 1, groups 1: x (B, in_ch, H, W) -> (B, out_ch, H', W') with
-    H' = conv_out(H, k, stride, padding). The backend may keep the weight prepared for its compute in
-    ``self.prepared`` (on the CPU, reordered once for oneDNN: kernels/cpu_conv.py)."""
+    """A zero-padded 2-D convolution (Def. 7, "2D Convolution Layer"), dilation 1, groups 1: x (B, in_ch, H, W) ->
+    (B, out_ch, H', W') with H' = conv_out(H, k, stride, padding). The backend may keep the weight prepared for its
+    compute in ``self.prepared`` (on the CPU, reordered once for oneDNN: kernels/cpu_conv.py)."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1, padding: int = 0,
                  bias: bool = True, backend: Backend | None = None) -> None:
@@ -56,14 +59,15 @@ def conv_transpose(
     output_padding: int = 0,
     bias: bool = True,
 ) -> nn.ConvTranspose2d:
-    """A learned upsampling layer (Def. 8); size follows `transposed_conv_out`. Kernel 4, stride 2, padding 1
-    exactly doubles (the DCGAN generator step). A kernel not divisible by the stride risks checkerboard artifacts
-    (Remark 4); `Upsample` is the artifact-free alternative."""
+    """A learned upsampling layer (Def. 8, "Transposed Convolution"); size follows `transposed_conv_out`. Kernel 4,
+    stride 2, padding 1 exactly doubles (the DCGAN generator step). A kernel not divisible by the stride risks
+    checkerboard artifacts (Remark 4, "Checkerboard Artifacts"); `Upsample` is the artifact-free alternative."""
     return nn.ConvTranspose2d(in_ch, out_ch, kernel_size, stride, padding, output_padding, bias=bias)
 
 
 def has_checkerboard_risk(kernel_size: int, stride: int) -> bool:
-    """Remark 4: transposed convolutions overlap unevenly when the kernel size is not divisible by the stride."""
+    """Remark 4 ("Checkerboard Artifacts"): transposed convolutions overlap unevenly when the kernel size is not
+    divisible by the stride."""
     return kernel_size % stride != 0
 
 
@@ -87,7 +91,8 @@ class Downsample(nn.Module):
 
 
 class Upsample(nn.Module):
-    """Double H and W by nearest-neighbour interpolation followed by a 3x3 convolution (Remark 4: no checkerboard)."""
+    """Double H and W by nearest-neighbour interpolation followed by a 3x3 convolution (no checkerboard:
+    Remark 4, "Checkerboard Artifacts")."""
 
     def __init__(self, channels: int, out_channels: int | None = None) -> None:
         super().__init__()

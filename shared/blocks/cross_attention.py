@@ -1,5 +1,6 @@
-"""Cross-attention (the seed's CrossAttn equation): queries from one sequence (image tokens), keys and values from
-another (text tokens). With context=None it is self-attention, which the U-Net and the VAE mid-block also use.
+"""Cross-attention (the CrossAttn equation of the chapter "Deep Learning Building Blocks"): queries from one sequence
+(image tokens), keys and values from another (text tokens). With context=None it is self-attention, which the U-Net and
+the VAE mid-block also use.
 
 Names follow diffusers (`to_q`, `to_k`, `to_v`, `to_out.0`) so its checkpoints map 1:1.
 

@@ -1,5 +1,6 @@
-"""Feedforward networks: the MLP of Def. 1, the GELU FFN of the Transformer block, SwiGLU (Def. 20, Remark 15) and
-GEGLU (Shazeer 2020), the feedforward of Stable Diffusion's transformer blocks."""
+"""Feedforward networks: the MLP of Def. 1 ("Feedforward Neural Network") of the chapter
+"Deep Learning Building Blocks", the GELU FFN of the Transformer block, SwiGLU (Def. 20, "SwiGLU"; Remark 15,
+"SwiGLU in Practice") and GEGLU (Shazeer 2020), the feedforward of Stable Diffusion's transformer blocks."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from genserve.shared.blocks.linear import Linear
 
 
 class MLP(nn.Module):
-    """z_l = W_l a_{l-1} + b_l, a_l = sigma(z_l) for l = 1..L (Def. 1); the last layer is linear unless
-    `final_activation` is set. `widths` = (d_0, d_1, ..., d_L); the layers are `layers.0 .. layers.{L-1}`."""
+    """z_l = W_l a_{l-1} + b_l, a_l = sigma(z_l) for l = 1..L (Def. 1, "Feedforward Neural Network"); the last layer
+    is linear unless `final_activation` is set. `widths` = (d_0, d_1, ..., d_L); the layers are
+    `layers.0 .. layers.{L-1}`."""
 
     def __init__(
         self,
@@ -38,7 +40,8 @@ class MLP(nn.Module):
 
 
 class GeluFFN(nn.Module):
-    """FFN(x) = W_2 sigma(W_1 x + b_1) + b_2 with GELU (Algorithm 2's feedforward); names `fc1`, `fc2`."""
+    """FFN(x) = W_2 sigma(W_1 x + b_1) + b_2 with GELU (the feedforward of Algorithm 2,
+    "Transformer Encoder Block"); names `fc1`, `fc2`."""
 
     def __init__(self, dim: int, hidden_dim: int | None = None, act: str = "gelu", bias: bool = True) -> None:
         super().__init__()
@@ -78,13 +81,14 @@ class GegluFFN(nn.Module):
 
 
 def swiglu_hidden_dim(dim: int, multiple_of: int = 256) -> int:
-    """d_ff = floor(2/3 * 4d) rounded up to a multiple of `multiple_of` (Remark 15; LLaMA's rule)."""
+    """d_ff = floor(2/3 * 4d) rounded up to a multiple of `multiple_of` (Remark 15, "SwiGLU in Practice";
+    LLaMA's rule)."""
     hidden = (2 * 4 * dim) // 3
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
 class SwiGLU(nn.Module):
-    """SwiGLU(x) = (Swish(x W_1) * (x V)) W_2 (Def. 20).
+    """SwiGLU(x) = (Swish(x W_1) * (x V)) W_2 (Def. 20, "SwiGLU").
 
     Names follow HF Llama so checkpoints map 1:1: W_1 = `gate_proj`, V = `up_proj`, W_2 = `down_proj`.
     """

@@ -1,4 +1,5 @@
-"""Contiguous per-layer KV cache (seed Def. 16) and the KV-cache memory calculator (Remark 11, Exercise 13).
+"""Contiguous per-layer KV cache (Def. 16, "KV Cache", of the chapter "Deep Learning Building Blocks") and the KV-cache
+memory calculator (Remark 11, "KV Cache Memory Budget"; the chapter's Exercise 13).
 
 The serving engine uses a paged cache (services/text/engine, layout in docs/architecture.md); this contiguous one is
 for single-request generation, tests and training-time sampling.
@@ -65,9 +66,10 @@ def kv_cache_bytes(
     batch_size: int = 1,
     bytes_per_value: int = 2,
 ) -> int:
-    """Bytes held by a KV cache (Remark 11): 2 L h_kv d_k n values for MHA/GQA/MQA (keys and values, h_kv = h for
-    MHA, G for GQA, 1 for MQA), or L (d_c + d_rope) n for MLA, which caches one latent and one decoupled RoPE key
-    per token instead of per-head keys and values (Def. 22, Remark 17). Default 2 bytes per value (FP16).
+    """Bytes held by a KV cache (Remark 11, "KV Cache Memory Budget"): 2 L h_kv d_k n values for MHA/GQA/MQA (keys
+    and values, h_kv = h for MHA, G for GQA, 1 for MQA), or L (d_c + d_rope) n for MLA, which caches one latent and
+    one decoupled RoPE key per token instead of per-head keys and values
+    (Def. 22, "Multi-Head Latent Attention (MLA)"; Remark 17, "MLA in Practice"). Default 2 bytes per value (FP16).
     """
     if latent_dim is not None:
         if n_kv_heads is not None:

@@ -1,4 +1,5 @@
-"""The affine map z = W a + b of Def. 1 as a module whose product goes through the backend.
+"""The affine map z = W a + b of Def. 1 ("Feedforward Neural Network", in the chapter "Deep Learning Building Blocks")
+as a module whose product goes through the backend.
 
 Parameters and their names are ``nn.Linear``'s, so checkpoints load unchanged; only the compute is dispatched, which
 lets a CPU decode step run on the GEMV kernel (shared/blocks/backend.py).

@@ -41,7 +41,8 @@ def prefix_bidirectional_mask(prefix_len: int | torch.Tensor, n: int, device: to
 
 
 def to_additive(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Bool keep-mask -> additive mask M with 0 where kept and -inf where hidden (the seed's form)."""
+    """Bool keep-mask -> additive mask M with 0 where kept and -inf where hidden (the form used in
+    the chapter "Deep Learning Building Blocks")."""
     out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
     return out.masked_fill(~mask, float("-inf"))
 

@@ -1,4 +1,5 @@
-"""Multi-head latent attention (seed Def. 22) with decoupled RoPE (Remark 17), as in DeepSeek-V2.
+"""Multi-head latent attention (Def. 22, "Multi-Head Latent Attention (MLA)", of the chapter
+"Deep Learning Building Blocks") with decoupled RoPE (Remark 17, "MLA in Practice"), as in DeepSeek-V2.
 
 Keys and values are rebuilt per head from a shared latent c_t^KV = W^DKV x_t (dim d_c << d). RoPE cannot pass
 through that low-rank map, so each key also carries a small d_rope part k_t^R, rotated and shared by all heads,

@@ -1,5 +1,6 @@
-"""Mixture-of-experts feedforward (seed Remark 18): a learned router sends each token to its top-k of E SwiGLU
-experts and mixes their outputs by the router weights; optional shared experts see every token (DeepSeekMoE).
+"""Mixture-of-experts feedforward (Remark 18, "Mixture-of-Experts", of the chapter "Deep Learning Building Blocks"): a
+learned router sends each token to its top-k of E SwiGLU experts and mixes their outputs by the router weights; optional
+shared experts see every token (DeepSeekMoE).
 
 The load-balancing auxiliary loss is Switch Transformer's E * sum_e f_e P_e (f_e: fraction of routed slots that go
 to expert e, P_e: mean router probability of e). It equals 1 for uniform routing and grows towards E as routing

@@ -1,9 +1,11 @@
-"""Normalisation layers (seed Defs. 5, 6, 19; Remark 3) and one factory `norm(name, dim)`.
+"""Normalisation layers and one factory `norm(name, dim)`, after the chapter "Deep Learning Building Blocks": Def. 5
+"Batch Normalisation", Def. 6 "Layer Normalisation", Def. 19 "Root Mean Square Layer Normalisation" and Remark 3
+"Which Normalisation Where?".
 
 BatchNorm normalises each feature over the batch, LayerNorm each sample over its features, GroupNorm each sample over
 groups of channels, RMSNorm each sample by its root mean square without centring. torch's BatchNorm/LayerNorm are
-the implementation of Defs. 5-6; RMSNorm and GroupNorm run through the backend, so CUDA gets the fused RMSNorm
-kernel and a CPU the one-pass GroupNorm(+SiLU) kernel.
+the implementation of Defs. 5-6 ("Batch Normalisation", "Layer Normalisation"); RMSNorm and GroupNorm run through
+the backend, so CUDA gets the fused RMSNorm kernel and a CPU the one-pass GroupNorm(+SiLU) kernel.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from genserve.shared.blocks.backend import Backend, get_backend
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm(x) = x / RMS(x) * gamma, RMS(x) = sqrt(mean(x^2) + eps) (Def. 19); `weight` is gamma.
+    """RMSNorm(x) = x / RMS(x) * gamma, RMS(x) = sqrt(mean(x^2) + eps)
+    (Def. 19, "Root Mean Square Layer Normalisation"); `weight` is gamma.
 
     forward(x, residual) fuses the pre-norm residual add: it returns (norm(x + residual), x + residual).
     """
@@ -36,9 +39,9 @@ class RMSNorm(nn.Module):
 
 
 class GroupNorm(nn.GroupNorm):
-    """GroupNorm (Def. 6) of x (B, C, ...) over groups of C / num_groups channels, with nn.GroupNorm's parameters
-    and names. forward(x, silu=True) applies SiLU in the same pass: the norm -> SiLU pair that opens every stage
-    of a U-Net or VAE residual block."""
+    """GroupNorm (Def. 6, "Layer Normalisation") of x (B, C, ...) over groups of C / num_groups channels, with
+    nn.GroupNorm's parameters and names. forward(x, silu=True) applies SiLU in the same pass: the norm -> SiLU pair
+    that opens every stage of a U-Net or VAE residual block."""
 
     def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True,
                  backend: Backend | None = None) -> None:

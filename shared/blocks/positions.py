@@ -1,5 +1,6 @@
-"""Absolute position and timestep embeddings: sinusoidal (seed Def. 14), learned (Remark 8), and the diffusion
-timestep embedding with its MLP (diffusers names `linear_1`, `linear_2`). RoPE lives in rope.py.
+"""Absolute position and timestep embeddings: sinusoidal (Def. 14, "Sinusoidal Positional Encoding", of the chapter
+"Deep Learning Building Blocks"), learned (Remark 8, "Learnable vs. Sinusoidal Encodings"), and the diffusion timestep
+embedding with its MLP (diffusers names `linear_1`, `linear_2`). RoPE lives in rope.py.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from torch import nn
 
 
 def sinusoidal_positions(n_positions: int, dim: int, base: float = 10000.0) -> torch.Tensor:
-    """(N, dim): PE(pos, 2i) = sin(pos / base^{2i/d}), PE(pos, 2i+1) = cos(pos / base^{2i/d}) (Def. 14)."""
+    """(N, dim): PE(pos, 2i) = sin(pos / base^{2i/d}), PE(pos, 2i+1) = cos(pos / base^{2i/d})
+    (Def. 14, "Sinusoidal Positional Encoding")."""
     if dim % 2:
         raise ValueError(f"dim must be even, got {dim}")
     pos = torch.arange(n_positions, dtype=torch.float32)[:, None]
@@ -24,7 +26,8 @@ def sinusoidal_positions(n_positions: int, dim: int, base: float = 10000.0) -> t
 
 
 class SinusoidalPositionalEncoding(nn.Module):
-    """Adds the fixed Def. 14 encoding to x (B, T, dim); the table is a non-persistent buffer."""
+    """Adds the fixed encoding of Def. 14 ("Sinusoidal Positional Encoding") to x (B, T, dim); the table is a
+    non-persistent buffer."""
 
     def __init__(self, dim: int, max_len: int) -> None:
         super().__init__()
@@ -35,7 +38,8 @@ class SinusoidalPositionalEncoding(nn.Module):
 
 
 class LearnedPositionalEmbedding(nn.Module):
-    """Adds a learned (max_len, dim) table to x (B, T, dim), as in GPT-2 and ViT (Remark 8)."""
+    """Adds a learned (max_len, dim) table to x (B, T, dim), as in GPT-2 and ViT
+    (Remark 8, "Learnable vs. Sinusoidal Encodings")."""
 
     def __init__(self, dim: int, max_len: int) -> None:
         super().__init__()

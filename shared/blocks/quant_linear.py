@@ -1,5 +1,6 @@
-"""The affine map z = W a + b of Def. 1 with W kept in a GGUF checkpoint's own quantised blocks (Q8_0, Q4_0, Q4_1;
-the layouts are in kernels/quant_formats.py), for inference.
+"""The affine map z = W a + b of Def. 1 ("Feedforward Neural Network", in the chapter "Deep Learning Building Blocks")
+with W kept in a GGUF checkpoint's own quantised blocks (Q8_0, Q4_0, Q4_1; the layouts are in kernels/quant_formats.py),
+for inference.
 
 The module holds the file's bytes, never an fp32 copy: ``blocks`` is a uint8 buffer (out_features, row bytes),
 one row of K / 32 blocks per output feature, and the backend's ``quant_linear`` dequantises inside the product (a

@@ -1,4 +1,5 @@
-"""Recurrent cells: the vanilla RNN (seed Def. 10) and the LSTM (Def. 11), plus an LSTM layer over a sequence.
+"""Recurrent cells: the vanilla RNN (Def. 10, "Recurrent Neural Network", of the chapter
+"Deep Learning Building Blocks") and the LSTM (Def. 11, "LSTM Cell"), plus an LSTM layer over a sequence.
 
 Sequences are batch-first: x (B, T, input_size).
 """
@@ -12,7 +13,8 @@ from genserve.shared.blocks.activations import activation
 
 
 class RNNCell(nn.Module):
-    """h_t = sigma(W_h h_{t-1} + W_x x_t + b), y_t = W_y h_t + b_y (Def. 10); sigma defaults to tanh."""
+    """h_t = sigma(W_h h_{t-1} + W_x x_t + b), y_t = W_y h_t + b_y (Def. 10, "Recurrent Neural Network"); sigma
+    defaults to tanh."""
 
     def __init__(self, input_size: int, hidden_size: int, output_size: int | None = None, act: str = "tanh") -> None:
         super().__init__()
@@ -28,7 +30,8 @@ class RNNCell(nn.Module):
 
 
 class LSTMCell(nn.Module):
-    """One LSTM step (Def. 11). All four gates read [h_{t-1}, x_t] through one matrix `w` (4H, H + input_size).
+    """One LSTM step (Def. 11, "LSTM Cell"). All four gates read [h_{t-1}, x_t] through one matrix `w`
+    (4H, H + input_size).
 
     Rows of `w`/its bias are ordered (input i, forget f, candidate c~, output o), torch.nn.LSTM's order, so its
     weights copy over as w = [weight_hh | weight_ih], b = bias_ih + bias_hh.
@@ -65,7 +68,8 @@ class LSTM(nn.Module):
             zeros = x.new_zeros(x.shape[0], self.cell.hidden_size)
             state = (zeros, zeros)
         outputs = []
-        for t in range(x.shape[1]):  # the sequential dependence Remark 6 names as the LSTM's limit
+        # the sequential dependence that Remark 6 ("From LSTMs to Transformers") names as the LSTM's limit
+        for t in range(x.shape[1]):
             h, state = self.cell(x[:, t], state)
             outputs.append(h)
         return torch.stack(outputs, dim=1), state

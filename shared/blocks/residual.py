@@ -1,7 +1,7 @@
-"""The residual block of U-Nets and VAEs (seed Def. 9): a_out = a_in + F(a_in), with F = two GroupNorm -> SiLU ->
-3x3 conv stages, the timestep embedding added after the first convolution (the seed's U-Net insight), dropout before
-the second. Names follow diffusers' ResnetBlock2D (`norm1`, `conv1`, `time_emb_proj`, `norm2`, `conv2`,
-`conv_shortcut`) so its checkpoints map 1:1.
+"""The residual block of U-Nets and VAEs (Def. 9, "Residual Block", of the chapter "Deep Learning Building Blocks"):
+a_out = a_in + F(a_in), with F = two GroupNorm -> SiLU -> 3x3 conv stages, the timestep embedding added after the
+first convolution (the chapter's U-Net insight), dropout before the second. Names follow diffusers' ResnetBlock2D
+(`norm1`, `conv1`, `time_emb_proj`, `norm2`, `conv2`, `conv_shortcut`) so its checkpoints map 1:1.
 """
 
 from __future__ import annotations

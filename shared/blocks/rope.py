@@ -1,15 +1,18 @@
-"""Rotary position embeddings (seed Def. 15, Prop. 1, Remark 10) and 2-D RoPE for image tokens.
+"""Rotary position embeddings (Def. 15, "Rotary Position Embedding", of the chapter "Deep Learning Building Blocks";
+Prop. 1, "Relative Position Property of RoPE"; Remark 10, "RoPE in Practice") and 2-D RoPE for image tokens.
 
 Tables. `rope_cos_sin` returns `cos, sin` of shape (P, D/2): entry [m, i] is cos/sin(m * theta_i) (times the YaRN
 attention factor when one applies). Half-width tables serve both pairings of the head dimension:
 - "rotate-half" (HF Llama/Mistral/Qwen2, the default): pair i is (x_i, x_{i + D/2});
-- interleaved (the seed's block-diagonal R_Theta,m, RoFormer, GPT-J): pair i is (x_{2i}, x_{2i+1}).
-Each pair is rotated by the standard planar rotation [[cos a, -sin a], [sin a, cos a]] (the seed prints the second
-row's cos with a stray minus sign, which would make R a reflection; Prop. 1 needs a rotation).
+- interleaved (the chapter's block-diagonal R_Theta,m, RoFormer, GPT-J): pair i is (x_{2i}, x_{2i+1}).
+Each pair is rotated by the standard planar rotation [[cos a, -sin a], [sin a, cos a]] (the chapter prints the
+second row's cos with a stray minus sign, which would make R a reflection;
+Prop. 1, "Relative Position Property of RoPE", needs a rotation).
 
-Frequency schedule theta_i = base^{-2(i-1)/d} (ROPE FREQ) and the scalings of Remark 10, numerically identical to
-Hugging Face transformers' `rope_type`s: "linear" (position interpolation), "ntk" (NTK-aware base change),
-"dynamic" (HF's dynamic NTK: the base grows with the table length), "yarn" (Peng et al. 2023) and "llama3".
+Frequency schedule theta_i = base^{-2(i-1)/d} (the chapter's equation ROPE FREQ) and the scalings of Remark 10
+("RoPE in Practice"), numerically identical to Hugging Face transformers' `rope_type`s: "linear" (position
+interpolation), "ntk" (NTK-aware base change), "dynamic" (HF's dynamic NTK: the base grows with the table length),
+"yarn" (Peng et al. 2023) and "llama3".
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ SCALING_TYPES = ("linear", "ntk", "dynamic", "yarn", "llama3")
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Frequency scaling for context extension (Remark 10); field names follow HF's `rope_scaling` dict."""
+    """Frequency scaling for context extension (Remark 10, "RoPE in Practice"); field names follow HF's
+    `rope_scaling` dict."""
 
     type: str
     factor: float
@@ -65,7 +69,7 @@ class RopeScaling:
 
 
 def rope_inv_freq(head_dim: int, theta: float | torch.Tensor = 10000.0) -> torch.Tensor:
-    """theta_i = theta^{-2i/d}, i = 0 .. d/2 - 1 (ROPE FREQ), float32, (D/2,)."""
+    """theta_i = theta^{-2i/d}, i = 0 .. d/2 - 1 (equation ROPE FREQ), float32, (D/2,)."""
     if head_dim % 2:
         raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -177,7 +181,7 @@ def apply_rope(
     positions: torch.Tensor | None = None,
     interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q (B, Hq, T, D) and k (B, Hk, T, D) by R_Theta,m (ROPE QK); returns new tensors.
+    """Rotate q (B, Hq, T, D) and k (B, Hk, T, D) by R_Theta,m (equation ROPE QK); returns new tensors.
 
     cos/sin are (P, D/2) tables. With `positions` ((T,) or (B, T) ints) rows are gathered from the tables; without,
     tokens take rows 0..T-1 (as genserve.kernels.apply_rope does), or the tables already hold one row per token (B, T,

@@ -1,4 +1,5 @@
-"""Scaled dot-product attention written out (seed Def. 12), with GQA by grouping query heads (Def. 17).
+"""Scaled dot-product attention written out (Def. 12, "Scaled Dot-Product Attention", of the chapter
+"Deep Learning Building Blocks"), with GQA by grouping query heads (Def. 17, "Multi-Query and Grouped-Query Attention").
 
     Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k) + M) V
 

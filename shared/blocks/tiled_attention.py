@@ -1,5 +1,6 @@
-"""Tiled attention with the online softmax, following the seed's Algorithm 3 (Flash Attention, simplified) step by
-step in pure torch. It is the readable reference the Triton kernels are tested against, not a fast path.
+"""Tiled attention with the online softmax, following Algorithm 3 ("Flash Attention (Simplified)") of the chapter
+"Deep Learning Building Blocks" step by step in pure torch. It is the readable reference the Triton kernels are tested
+against, not a fast path.
 
 GQA is read natively (query heads grouped under their key/value head) and the causal mask is bottom-right aligned
 (query i sees keys j <= i + Nk - Nq), matching the backend contract.

@@ -1,8 +1,11 @@
 """Transformer blocks, selected by `TransformerBlockConfig.block`:
 
-- "post_norm": the original encoder block (seed Algorithm 2): h' = Norm(x + Attn(x)), h = Norm(h' + FFN(h'));
-- "pre_norm": the modern decoder block (the seed's table, Remark 9): x += Attn(Norm(x)); x += FFN(Norm(x));
-- "parallel": Def. 21: x' = x + Attn(Norm(x)) + FFN(Norm(x)), one norm shared by both branches.
+- "post_norm": the original encoder block (Algorithm 2, "Transformer Encoder Block", of the chapter
+  "Deep Learning Building Blocks"): h' = Norm(x + Attn(x)), h = Norm(h' + FFN(h'));
+- "pre_norm": the modern decoder block (the chapter's table "Architectures for Generative Models"; Remark 9,
+  "Pre-Norm vs. Post-Norm"): x += Attn(Norm(x)); x += FFN(Norm(x));
+- "parallel": Def. 21 ("Parallel Transformer Block"): x' = x + Attn(Norm(x)) + FFN(Norm(x)), one norm shared by both
+  branches.
 
 Submodule names follow HF Llama (`input_layernorm`, `self_attn`, `post_attention_layernorm`, `mlp`) so a Llama
 checkpoint's layer maps 1:1 onto a pre-norm block with RMSNorm and SwiGLU.
@@ -39,7 +42,7 @@ class TransformerBlockConfig:
     # attention
     attn_bias: bool = False  # q/k/v bias (Qwen2, CLIP)
     attn_out_bias: bool = False  # output-projection bias (CLIP)
-    gated_attention: bool = False  # Def. 18
+    gated_attention: bool = False  # Def. 18, "Gated Attention"
     rope_interleaved: bool = False
     # feedforward
     ffn: Literal["swiglu", "gelu", "moe"] = "swiglu"
@@ -89,7 +92,8 @@ class TransformerBlock(nn.Module):
             rope_interleaved=c.rope_interleaved,
             backend=backend,
         )
-        # the parallel block feeds both branches from one norm (Def. 21), so it has no second norm
+        # the parallel block feeds both branches from one norm (Def. 21, "Parallel Transformer Block"),
+        # so it has no second norm
         self.post_attention_layernorm = norm(c.norm, c.dim, **norm_kw) if c.block != "parallel" else None
         self.mlp = _ffn(c)
 

@@ -1,10 +1,12 @@
-"""A generic conditional U-Net (seed, "The U-Net Architecture"; Exercise 10): the diffusion denoiser ε_θ(x_t, t, c).
+"""A generic conditional U-Net (section "The U-Net Architecture" and Exercise 10 of the chapter
+"Deep Learning Building Blocks"): the diffusion denoiser ε_θ(x_t, t, c).
 
-An encoder of residual blocks (Def. 9) halves the resolution level by level, a decoder doubles it back, and long skip
-connections concatenate every encoder activation onto the decoder input at the same resolution. The timestep enters
-every residual block through a sinusoidal embedding (Def. 14) and an MLP; text enters through cross-attention
-(the CrossAttn equation) in transformer blocks at chosen levels. ``context`` may be a `ContextCache`, which a sampler
-passes so that each cross-attention projects the text to keys and values once for all its steps.
+An encoder of residual blocks (Def. 9, "Residual Block") halves the resolution level by level, a decoder doubles it
+back, and long skip connections concatenate every encoder activation onto the decoder input at the same resolution.
+The timestep enters every residual block through a sinusoidal embedding (Def. 14, "Sinusoidal Positional Encoding")
+and an MLP; text enters through cross-attention (the chapter's CrossAttn equation) in transformer blocks at chosen
+levels. ``context`` may be a `ContextCache`, which a sampler passes so that each cross-attention projects the text to
+keys and values once for all its steps.
 
 The module tree follows diffusers' UNet2DConditionModel (`conv_in`, `time_embedding`, `down_blocks.N.{resnets,
 attentions,downsamplers}`, `mid_block`, `up_blocks.N.{resnets,attentions,upsamplers}`, `conv_norm_out`, `conv_out`)

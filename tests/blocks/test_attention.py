@@ -1,5 +1,7 @@
-"""Attention (seed Defs. 12, 13, 17, 18, the causal and cross-attention equations, Def. 16's cache) checked
-against written-out formulas and torch's SDPA."""
+"""Attention of the chapter "Deep Learning Building Blocks" (Def. 12 "Scaled Dot-Product Attention", Def. 13
+"Multi-Head Attention", Def. 17 "Multi-Query and Grouped-Query Attention", Def. 18 "Gated Attention", the chapter's
+causal and cross-attention equations, and the cache of Def. 16 "KV Cache") checked against written-out formulas and
+torch's SDPA."""
 
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ BACKENDS = ["reference", "torch"]
 
 
 def _heads_attention(x: torch.Tensor, wq, wk, wv, wo, n_heads: int, kv_of_head) -> torch.Tensor:
-    """Def. 13 literally: one softmax(Q_i K_g(i)^T / sqrt(d_k)) V_g(i) per head, concatenated, times W^O."""
+    """Def. 13 ("Multi-Head Attention") literally: one softmax(Q_i K_g(i)^T / sqrt(d_k)) V_g(i) per head,
+    concatenated, times W^O."""
     heads = []
     for i in range(n_heads):
         q, k, v = x @ wq[i].T, x @ wk[kv_of_head(i)].T, x @ wv[kv_of_head(i)].T
@@ -54,7 +57,7 @@ def test_sdpa_matches_torch_and_the_definition() -> None:
 
 
 def test_sdpa_groups_query_heads_without_copying_kv() -> None:
-    """Query head i reads kv head i // (Hq / Hkv) (Def. 17's g(i))."""
+    """Query head i reads kv head i // (Hq / Hkv) (g(i) of Def. 17, "Multi-Query and Grouped-Query Attention")."""
     q, k, v = torch.randn(1, 6, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
     out = scaled_dot_product_attention(q, k, v)
     for i in range(6):
@@ -180,8 +183,8 @@ def test_padding_and_sliding_window_masks() -> None:
 
 
 def test_gated_attention_multiplies_each_head_output_by_its_sigmoid_gate() -> None:
-    """Def. 18: Y' = Y * sigmoid(X W_theta), elementwise on the concatenated head outputs, before W^O. Y is read off
-    the same attention with W^O set to the identity."""
+    """Def. 18 ("Gated Attention"): Y' = Y * sigmoid(X W_theta), elementwise on the concatenated head outputs, before
+    W^O. Y is read off the same attention with W^O set to the identity."""
     gated = MultiHeadAttention(32, 4, 2, gated=True)
     heads = MultiHeadAttention(32, 4, 2)
     heads.load_state_dict({k: v for k, v in gated.state_dict().items() if not k.startswith("gate_proj")})

@@ -1,4 +1,5 @@
-"""Convolution arithmetic (seed Example 1, Exercises 5 and 6), up/down-sampling and pooling."""
+"""Convolution arithmetic (Example 1, "Convolution Arithmetic", and Exercises 5 and 6 of the chapter
+"Deep Learning Building Blocks"), up/down-sampling and pooling."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def test_example_1_same_conv_has_1792_parameters() -> None:
     conv = conv2d_same(3, 64, 3)
     assert _n_params(conv) == 64 * 3 * 3 * 3 + 64 == 1792
     assert conv(torch.randn(1, 3, 32, 32)).shape == (1, 64, 32, 32)
-    assert _n_params(nn.Linear(3 * 32 * 32, 64, bias=False)) == 196_608  # the seed's fully connected comparison
+    assert _n_params(nn.Linear(3 * 32 * 32, 64, bias=False)) == 196_608  # the chapter's fully connected comparison
 
 
 def test_exercise_5_strided_conv_arithmetic() -> None:
@@ -58,8 +59,8 @@ def test_checkerboard_rule_of_remark_4() -> None:
 
 @pytest.mark.parametrize("backend", ["reference", "torch"])
 def test_the_blocks_transposed_conv_is_the_adjoint_of_their_conv(backend: str) -> None:
-    """Def. 8: <conv(x), y> = <x, conv^T(y)> for the same kernel, with genserve's Conv2d (through each backend,
-    the CPU's prepared oneDNN path included) and the GAN generator's conv_transpose."""
+    """Def. 8 ("Transposed Convolution"): <conv(x), y> = <x, conv^T(y)> for the same kernel, with genserve's Conv2d
+    (through each backend, the CPU's prepared oneDNN path included) and the GAN generator's conv_transpose."""
     conv = Conv2d(3, 4, 4, stride=2, padding=1, bias=False, backend=get_backend(backend))
     up = conv_transpose(4, 3, kernel_size=4, stride=2, padding=1, bias=False)
     with torch.no_grad():

@@ -1,5 +1,7 @@
-"""Feedforward blocks: the MLP of Def. 1 (with Exercise 1's forward and backward pass), GELU FFN, SwiGLU
-(Def. 20) and its hidden-size rule (Remark 15), and the activation factory (Def. 2)."""
+"""Feedforward blocks: the MLP of Def. 1 ("Feedforward Neural Network") of the chapter "Deep Learning Building Blocks"
+(with the forward and backward pass of the chapter's Exercise 1), GELU FFN, SwiGLU (Def. 20, "SwiGLU") and its
+hidden-size rule (Remark 15, "SwiGLU in Practice"), and the activation factory (Def. 2,
+"Common Activation Functions")."""
 
 from __future__ import annotations
 
@@ -68,7 +70,8 @@ def test_swiglu_matches_transformers_llama_mlp() -> None:
 
 
 def test_gelu_ffn_is_w2_gelu_w1x_plus_b1_plus_b2() -> None:
-    """Algorithm 2's FFN with d_ff = 4d, against the formula in float64 with GELU written out as z * Phi(z)."""
+    """The FFN of Algorithm 2 ("Transformer Encoder Block") with d_ff = 4d, against the formula in float64 with GELU
+    written out as z * Phi(z)."""
     ffn = GeluFFN(8).double()
     x = torch.randn(2, 8, dtype=torch.float64)
     z = x @ ffn.fc1.weight.T + ffn.fc1.bias

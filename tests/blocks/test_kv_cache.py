@@ -1,4 +1,5 @@
-"""KV-cache memory (seed Remark 11 and Exercise 13)."""
+"""KV-cache memory (Remark 11, "KV Cache Memory Budget", and Exercise 13 of the chapter
+"Deep Learning Building Blocks")."""
 
 from __future__ import annotations
 

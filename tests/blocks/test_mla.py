@@ -1,4 +1,5 @@
-"""Multi-head latent attention (seed Def. 22) with decoupled RoPE (Remark 17)."""
+"""Multi-head latent attention (Def. 22, "Multi-Head Latent Attention (MLA)", of the chapter
+"Deep Learning Building Blocks") with decoupled RoPE (Remark 17, "MLA in Practice")."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def test_incremental_decoding_with_the_latent_cache_equals_full_forward(backend:
 
 
 def test_decoupled_rope_keeps_scores_relative() -> None:
-    """Shifting every position by the same offset leaves the output unchanged (Prop. 1 through the rope part)."""
+    """Shifting every position by the same offset leaves the output unchanged
+    (Prop. 1, "Relative Position Property of RoPE", through the rope part)."""
     mla = _mla()
     rope = rope_cos_sin(D_ROPE, 64)
     x = torch.randn(1, 6, DIM)

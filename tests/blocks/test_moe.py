@@ -1,4 +1,5 @@
-"""Mixture of experts (seed Remark 18): top-k routing, shared experts, load-balancing loss."""
+"""Mixture of experts (Remark 18, "Mixture-of-Experts", of the chapter "Deep Learning Building Blocks"): top-k routing,
+shared experts, load-balancing loss."""
 
 from __future__ import annotations
 

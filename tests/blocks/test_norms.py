@@ -1,4 +1,5 @@
-"""Normalisation layers (seed Defs. 5, 6, 19) and the `norm` factory."""
+"""Normalisation layers of the chapter "Deep Learning Building Blocks" (Def. 5 "Batch Normalisation", Def. 6
+"Layer Normalisation", Def. 19 "Root Mean Square Layer Normalisation") and the `norm` factory."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def test_rmsnorm_equals_torch_rmsnorm(backend: str) -> None:
 
 
 def test_rmsnorm_definition_and_fused_residual() -> None:
-    """RMSNorm(x) = x / sqrt(mean(x^2) + eps) * gamma (Def. 19): no mean-centring, unit RMS output."""
+    """RMSNorm(x) = x / sqrt(mean(x^2) + eps) * gamma (Def. 19, "Root Mean Square Layer Normalisation"): no
+    mean-centring, unit RMS output."""
     n = RMSNorm(4, eps=0.0)
     x = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
     expected = x / math.sqrt((1 + 4 + 9 + 16) / 4)
@@ -40,9 +42,9 @@ def test_rmsnorm_definition_and_fused_residual() -> None:
 
 
 def test_exercise_4_layer_and_batch_statistics_through_group_norm() -> None:
-    """The seed's 4x3 activations (gamma = 1, beta = 0, eps = 0) through genserve's GroupNorm: one group per sample
-    is LayerNorm (row statistics), one group per channel over a batch laid out as space is BatchNorm (column
-    statistics)."""
+    """The 4x3 activations of the chapter's Exercise 4 (gamma = 1, beta = 0, eps = 0) through genserve's GroupNorm:
+    one group per sample is LayerNorm (row statistics), one group per channel over a batch laid out as space is
+    BatchNorm (column statistics)."""
     x = torch.tensor([[1.0, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]])
     # LN: every row is (c, c+1, c+2): mean c+1, variance 2/3, so z = (-1, 0, 1) * sqrt(3/2)
     ln = group_norm(3, groups=1, eps=0.0, affine=False)

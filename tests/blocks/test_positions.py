@@ -1,4 +1,5 @@
-"""Sinusoidal (Def. 14), learned and timestep embeddings."""
+"""Sinusoidal (Def. 14, "Sinusoidal Positional Encoding", of the chapter "Deep Learning Building Blocks"), learned and
+timestep embeddings."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""RNN cell (seed Def. 10) and LSTM (Def. 11) against torch.nn with copied weights."""
+"""RNN cell (Def. 10, "Recurrent Neural Network", of the chapter "Deep Learning Building Blocks") and LSTM (Def. 11,
+"LSTM Cell") against torch.nn with copied weights."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The residual block (seed Def. 9) with GroupNorm, SiLU, dropout and timestep injection."""
+"""The residual block (Def. 9, "Residual Block", of the chapter "Deep Learning Building Blocks") with GroupNorm, SiLU,
+dropout and timestep injection."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""RoPE (seed Def. 15): Prop. 1, Exercise 12, both pairing conventions, 2-D RoPE, and parity with transformers'
-LlamaRotaryEmbedding for every scaling type (transformers is a test-only reference)."""
+"""RoPE (Def. 15, "Rotary Position Embedding", of the chapter "Deep Learning Building Blocks"): Prop. 1
+("Relative Position Property of RoPE"), the chapter's Exercise 12, both pairing conventions, 2-D RoPE, and parity with
+transformers' LlamaRotaryEmbedding for every scaling type (transformers is a test-only reference)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def _rotate(x: torch.Tensor, pos: int, interleaved: bool, head_dim: int) -> torc
 
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_rotated_score_depends_only_on_relative_position(interleaved: bool) -> None:
-    """Prop. 1: q~_m . k~_n = q_m^T R_{n-m} k_n, so shifting both positions leaves the score unchanged."""
+    """Prop. 1 ("Relative Position Property of RoPE"): q~_m . k~_n = q_m^T R_{n-m} k_n, so shifting both positions
+    leaves the score unchanged."""
     d = 16
     for _ in range(5):
         q, k = torch.randn(d, dtype=torch.float64), torch.randn(d, dtype=torch.float64)
@@ -36,7 +38,7 @@ def test_rotated_score_depends_only_on_relative_position(interleaved: bool) -> N
         score = _rotate(q, m, interleaved, d) @ _rotate(k, n, interleaved, d)
         shifted = _rotate(q, m + shift, interleaved, d) @ _rotate(k, n + shift, interleaved, d)
         assert torch.allclose(score.double(), shifted.double(), atol=1e-3)
-        if interleaved:  # the seed's block-diagonal layout: compare with q^T R_{n-m} k written as a matrix
+        if interleaved:  # the chapter's block-diagonal layout: compare with q^T R_{n-m} k written as a matrix
             expected = q @ rope_matrix(d, n - m) @ k
             assert torch.allclose(score.double(), expected, atol=1e-3)
 

@@ -1,4 +1,5 @@
-"""Algorithm 3 (tiled attention with the online softmax) equals standard softmax attention (Def. 12)."""
+"""Algorithm 3 ("Flash Attention (Simplified)") of the chapter "Deep Learning Building Blocks" (tiled attention with the
+online softmax) equals standard softmax attention (Def. 12, "Scaled Dot-Product Attention")."""
 
 from __future__ import annotations
 

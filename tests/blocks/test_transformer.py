@@ -1,4 +1,5 @@
-"""Transformer blocks: post-norm encoder (Algorithm 2), pre-norm decoder, parallel block (Def. 21)."""
+"""Transformer blocks: post-norm encoder (Algorithm 2, "Transformer Encoder Block", of the chapter
+"Deep Learning Building Blocks"), pre-norm decoder, parallel block (Def. 21, "Parallel Transformer Block")."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def test_pre_norm_block() -> None:
 
 
 def test_parallel_block_feeds_both_branches_the_same_norm() -> None:
-    """Def. 21: x' = x + Attn(Norm(x)) + FFN(Norm(x)); it differs from the sequential block with the same weights."""
+    """Def. 21 ("Parallel Transformer Block"): x' = x + Attn(Norm(x)) + FFN(Norm(x)); it differs from the
+    sequential block with the same weights."""
     par = _block(block="parallel")
     assert par.post_attention_layernorm is None
     x = torch.randn(2, 5, 32)

@@ -21,7 +21,6 @@ EXPECTED = ("flash_attention[", "paged_decode[", "paged_decode_merge", "rms_norm
 @pytest.fixture(scope="module")
 def compiled() -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("sm90_compile.py"))],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,

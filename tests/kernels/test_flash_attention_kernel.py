@@ -1,5 +1,6 @@
-"""genserve.kernels.flash_attention against the blocks' tiled-attention reference (Algorithm 3 in torch) and the
-written-out SDPA (Definition 12): interpreted on CPU, compiled on a GPU (tests/kernels/conftest.py)."""
+"""genserve.kernels.flash_attention against the blocks' tiled-attention reference (Algorithm 3,
+"Flash Attention (Simplified)", of the chapter "Deep Learning Building Blocks", in torch) and the written-out SDPA
+(Definition 12, "Scaled Dot-Product Attention"): interpreted on CPU, compiled on a GPU (tests/kernels/conftest.py)."""
 
 from __future__ import annotations
 

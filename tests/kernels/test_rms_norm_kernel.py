@@ -1,4 +1,5 @@
-"""genserve.kernels.rms_norm (Definition 19, residual add fused) against the reference backend."""
+"""genserve.kernels.rms_norm (Definition 19, "Root Mean Square Layer Normalisation", of the chapter
+"Deep Learning Building Blocks"; residual add fused) against the reference backend."""
 
 from __future__ import annotations
 

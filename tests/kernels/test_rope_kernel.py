@@ -1,5 +1,5 @@
-"""genserve.kernels.apply_rope (Definition 15) against the blocks' RoPE, in both pairings, in place, in several
-layouts."""
+"""genserve.kernels.apply_rope (Definition 15, "Rotary Position Embedding", of the chapter
+"Deep Learning Building Blocks") against the blocks' RoPE, in both pairings, in place, in several layouts."""
 
 from __future__ import annotations
 
@@ -77,7 +77,8 @@ def test_rope_position_past_the_tables_reads_nothing() -> None:
 
 
 def test_rope_preserves_the_relative_position_property() -> None:
-    # Proposition 1: the score of q at position m and k at position n depends only on n - m.
+    # Proposition 1 ("Relative Position Property of RoPE"): the score of q at position m and k at position n
+    # depends only on n - m.
     q, k = torch.randn(1, 1, 1, 64).expand(1, 1, 2, 64), torch.randn(1, 1, 1, 64).expand(1, 1, 2, 64)
     cos, sin = _tables(64)
 

@@ -59,7 +59,6 @@ class EngineConfig:
             raise ValueError("give kv_cache_bytes or kv_cache_fraction, not both")
 
 
-
 @dataclass(frozen=True)
 class EngineCounters:
     hit_tokens: int  # prompt tokens admitted with their K/V already in the prefix cache

@@ -24,7 +24,8 @@ from genserve.shared.blocks.kv_cache import kv_cache_bytes
 
 
 def block_bytes(block_size: int, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of one block of ``block_size`` tokens over every layer, keys and values (Remark 11)."""
+    """Bytes of one block of ``block_size`` tokens over every layer, keys and values
+    (Remark 11, "KV Cache Memory Budget", of the chapter "Deep Learning Building Blocks")."""
     return kv_cache_bytes(n_layers, block_size, n_kv_heads=n_kv_heads, head_dim=head_dim,
                           bytes_per_value=torch.empty((), dtype=dtype).element_size())
 

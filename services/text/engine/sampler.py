@@ -22,13 +22,12 @@ import torch
 
 from genserve.services.text.engine.grammar import apply_bitmask, bitmask_words
 from genserve.services.text.engine.params import SamplingParams, TokenLogprob
+from genserve.shared.seeds import resolve_seed
 
 
 def make_generator(seed: int | None) -> torch.Generator:
-    """A CPU generator per request; unseeded requests draw their seed from the global RNG."""
-    g = torch.Generator()
-    g.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
-    return g
+    """A CPU generator per request; an unseeded one draws its seed the one way (shared/seeds.py)."""
+    return torch.Generator().manual_seed(resolve_seed(seed))
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],

@@ -35,9 +35,11 @@ class ScheduledChunk:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_batched_tokens: int = 512  # tokens computed per step (decode slots + prefill chunks)
-    max_running: int = 64
-    max_waiting: int = 1024
+    """The scheduler's share of EngineConfig, whose defaults are the only ones."""
+
+    max_batched_tokens: int  # tokens computed per step (decode slots + prefill chunks)
+    max_running: int
+    max_waiting: int
 
     def __post_init__(self) -> None:
         for name in ("max_batched_tokens", "max_running", "max_waiting"):

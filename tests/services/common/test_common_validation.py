@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import Field, ValidationError
 
-from genserve.services.common.validation import Request, message_to_dict, parse, resolve_seed
+from genserve.services.common.validation import Request, message_to_dict, parse
+from genserve.shared.seeds import resolve_seed
 from genserve.v1 import common_pb2, text_pb2, vae_pb2
 
 

@@ -8,13 +8,8 @@ import pytest
 import torch
 
 from genserve.services.diffusion.model import DEFAULT_WEIGHTS, LatentDiffusion, load_diffusion, save_diffusion
-from genserve.services.diffusion.pipeline import (
-    MAX_BATCH,
-    MAX_STEPS,
-    SCHEDULERS,
-    DiffusionPipeline,
-    GenerationCancelled,
-)
+from genserve.services.diffusion.params import MAX_BATCH, MAX_STEPS, SCHEDULERS, GenerationCancelled
+from genserve.services.diffusion.pipeline import DiffusionPipeline
 from genserve.services.diffusion.schedulers import make_scheduler
 from genserve.services.diffusion.schedulers.schedule import alphas_cumprod
 

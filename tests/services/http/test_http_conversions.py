@@ -14,13 +14,13 @@ from ray.serve.exceptions import BackPressureError
 from starlette.testclient import TestClient
 
 from genserve.services.common.errors import InvalidArgument
-from genserve.services.common.validation import MAX_SEED
 from genserve.services.http import images, text
 from genserve.services.http.app import TEXT_ERRORS, BodyLimit, _field_loc
 from genserve.services.http.errors import describe, rename
 from genserve.services.http.schemas import ChatBody, CompletionBody, ImageBody
 from genserve.services.http.streams import batches, merge
 from genserve.services.text.engine.params import PromptTooLong
+from genserve.shared.seeds import MAX_SEED
 from genserve.v1 import common_pb2, text_pb2
 
 CHAT = {"model": "text", "messages": [{"role": "user", "content": "hi"}]}

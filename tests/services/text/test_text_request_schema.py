@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from genserve.services.common.validation import MAX_SEED
 from genserve.services.text.engine.params import MIN_REPETITION_PENALTY, MIN_TEMPERATURE, SamplingParams
 from genserve.services.text.schema import MAX_SCHEMA_DEPTH, TextIn, json_depth
+from genserve.shared.seeds import MAX_SEED
 
 
 def error_loc(**fields) -> tuple:
