@@ -9,8 +9,11 @@
   `cpu_group_norm` (GroupNorm + SiLU for the image models).
 - `cpu_conv`: small convolutions on oneDNN with the weight reordered once, not on every call.
 
-Model code never imports this package: `shared/blocks/backend.py` calls the per-op kernels, and the text engine's
-CPU runner (`services/text/runners/cpu.py`) the fused step.
+- `quant_formats`: GGUF's block layouts and the torch dequantiser that every quantised kernel is checked against.
+
+Model code reaches the kernels through `shared/blocks/backend.py` (the per-op kernels) and the text engine's CPU
+runner (`services/text/runners/cpu.py`, the fused step); the blocks import only `quant_formats` directly, for the
+layouts. Nothing here imports `genserve.shared` or `genserve.services` (tests/test_package_layers.py).
 """
 
 from genserve.kernels.flash_attention import flash_attention

@@ -43,6 +43,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from genserve.kernels.cpu_gemv import MAX_ROWS as GEMV_MAX_ROWS
 from genserve.kernels.quant_formats import dequantize
 from genserve.shared.blocks import rope as _rope
 from genserve.shared.blocks.masks import causal_mask, sliding_window_mask
@@ -50,7 +51,6 @@ from genserve.shared.blocks.sdpa import scaled_dot_product_attention
 
 BACKEND_NAMES = ("auto", "reference", "torch", "triton")
 ENV_VAR = "GENSERVE_BACKEND"
-_GEMV_MAX_ROWS = 8  # kernels/cpu_gemv.py's MAX_ROWS, repeated so that larger products never import the kernels package
 
 
 def _gather_paged(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -180,7 +180,7 @@ class TorchBackend(ReferenceBackend):
         return y if residual is None else (y, x)
 
     def linear(self, x, weight, bias=None) -> torch.Tensor:
-        few_rows = x.device.type == "cpu" and x.numel() <= _GEMV_MAX_ROWS * x.shape[-1]
+        few_rows = x.device.type == "cpu" and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]
         if few_rows and not _needs_grad(x, weight, bias):
             from genserve.kernels import cpu_gemv  # imported on the first decode-sized call only
 

@@ -89,9 +89,3 @@ def test_group_norm_refuses_groups_that_do_not_divide_the_channels():
         cpu_group_norm.group_norm(torch.randn(1, 6, 2, 2), 4, None, None, 1e-5)
     assert not cpu_group_norm.supports(torch.randn(1, 6, 2, 2).transpose(2, 3))  # neither layout
     assert not cpu_group_norm.supports(torch.randn(1, 6, 2, 2, dtype=torch.bfloat16))
-
-
-def test_torch_backend_gemv_limit_is_the_kernels():
-    from genserve.shared.blocks import backend
-
-    assert backend._GEMV_MAX_ROWS == cpu_gemv.MAX_ROWS
