@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.deployment import Application, Deployment
 
@@ -25,6 +25,8 @@ class AppArgs(BaseModel):
 
     model_dir: str | None = None
     rate_limits: RateLimits = RateLimits()  # per caller and replica (services/common/rate_limit.py); default off
+    # torch's and the C kernels' threads per replica (services/common/device.py); None keeps Ray's floor(num_cpus)
+    torch_threads: int | None = Field(None, ge=1, le=1024)
 
 
 def model_dir_env(service: str) -> str:

@@ -86,18 +86,21 @@ class AppSpec:
 # The text engine's settings per target (docs/deploy.md): on a 2-core CPU, the CPU runner's lookahead and the default
 # KV budget; on an H100/H200, bf16, a KV cache of 35% of the memory left after the weights (text replicas may
 # share a GPU with each other and the image apps), large batches and CUDA graphs.
+# torch_threads: Ray starts a replica with floor(num_cpus) threads, at least 1. Locally the text replica takes both
+# cores (its decode step is the latency path; the image apps take one each); on GPU nodes each replica has its CPU.
 LOCAL_TEXT_SETTINGS = (("dtype", "auto"), ("max_batched_tokens", 512), ("max_running", 64), ("max_lookahead", 8),
-                       ("prefix_caching", True))
+                       ("prefix_caching", True), ("torch_threads", 2))
 GPU_TEXT_SETTINGS = (("dtype", "bfloat16"), ("kv_cache_fraction", 0.35), ("max_batched_tokens", 8192),
-                     ("max_running", 256), ("max_lookahead", 1), ("cuda_graphs", True), ("prefix_caching", True))
+                     ("max_running", 256), ("max_lookahead", 1), ("cuda_graphs", True), ("prefix_caching", True),
+                     ("torch_threads", 1))
 # The GAN and VAE merge concurrent requests into one model call (services/common/batcher.py): a replica takes a
 # batch's worth of one-image requests at once, and autoscaling adds a replica only when about a full batch waits.
-LOCAL_BATCH_SETTINGS = (("max_batch_images", 32), ("batch_wait_s", 0.005))
-GPU_BATCH_SETTINGS = (("max_batch_images", 64), ("batch_wait_s", 0.002))
+LOCAL_BATCH_SETTINGS = (("max_batch_images", 32), ("batch_wait_s", 0.005), ("torch_threads", 1))
+GPU_BATCH_SETTINGS = (("max_batch_images", 64), ("batch_wait_s", 0.002), ("torch_threads", 1))
 # Diffusion runs one step loop per replica that all its requests join (services/diffusion/step_batcher.py): a
 # replica takes many requests at once, bounded by U-Net rows per step (images × passes).
-LOCAL_STEP_SETTINGS = (("max_step_rows", 48), ("batch_wait_s", 0.005))
-GPU_STEP_SETTINGS = (("max_step_rows", 192), ("batch_wait_s", 0.002))
+LOCAL_STEP_SETTINGS = (("max_step_rows", 48), ("batch_wait_s", 0.005), ("torch_threads", 1))
+GPU_STEP_SETTINGS = (("max_step_rows", 192), ("batch_wait_s", 0.002), ("torch_threads", 1))
 LOCAL_APPS = (
     AppSpec("text", "TextGeneration", 0.4, 0, 1, 2, 4, 16, 32, LOCAL_TEXT_SETTINGS),
     AppSpec("gan", "ImageGan", 0.1, 0, 1, 2, 32, 64, 128, LOCAL_BATCH_SETTINGS),

@@ -27,7 +27,7 @@ from ray.serve.deployment import Application
 
 from genserve.services.common import health
 from genserve.services.common.builder import AppArgs, build_app, handle_to
-from genserve.services.common.device import serving_device
+from genserve.services.common.device import serving_device, use_torch_threads
 from genserve.services.common.errors import InvalidArgument
 from genserve.services.common.gate import Gate
 from genserve.services.common.images import image_messages, tensor_message
@@ -65,6 +65,7 @@ class Diffusion:
 
     def __init__(self, model_dir: str | None, settings: StepBatchArgs | None = None):
         settings = settings or StepBatchArgs()
+        use_torch_threads(settings.torch_threads)
         self.metrics = ServiceMetrics("diffusion")
         self.gate = Gate.from_env(settings.rate_limits)
         self.pipe = DiffusionPipeline.from_dir(model_dir, device=serving_device())

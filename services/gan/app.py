@@ -19,7 +19,7 @@ from ray.serve.deployment import Application
 from genserve.services.common import health
 from genserve.services.common.batcher import BatchArgs, Batcher
 from genserve.services.common.builder import build_app
-from genserve.services.common.device import serving_device
+from genserve.services.common.device import serving_device, use_torch_threads
 from genserve.services.common.gate import Gate
 from genserve.services.common.images import images_response
 from genserve.services.common.metrics import ServiceMetrics
@@ -55,6 +55,7 @@ class ImageGan:
     __getattr__ = unknown_rpcs
 
     def __init__(self, model_dir: str | None, args: BatchArgs):
+        use_torch_threads(args.torch_threads)
         self.metrics = ServiceMetrics("gan")
         self.gate = Gate.from_env(args.rate_limits)
         self.generator = load_generator(model_dir, device=serving_device())

@@ -21,6 +21,7 @@ from ray.serve.deployment import Application
 
 from genserve.services.common import health
 from genserve.services.common.builder import build_app
+from genserve.services.common.device import use_torch_threads
 from genserve.services.common.errors import InvalidArgument
 from genserve.services.common.gate import Gate
 from genserve.services.common.metrics import ServiceMetrics
@@ -55,6 +56,7 @@ class TextGeneration:
 
     def __init__(self, model_dir: str | None, settings: TextArgs | None = None):
         settings = settings or TextArgs()
+        use_torch_threads(settings.torch_threads)
         self.metrics = ServiceMetrics("text")
         self.gate = Gate.from_env(settings.rate_limits)
         self.engine = AsyncLLMEngine.from_dir(model_dir, dtype=settings.dtype, config=settings.engine_config(),

@@ -25,7 +25,7 @@ from ray.serve.deployment import Application
 from genserve.services.common import health
 from genserve.services.common.batcher import BatchArgs, Batcher, rows_by_shape
 from genserve.services.common.builder import build_app
-from genserve.services.common.device import serving_device
+from genserve.services.common.device import serving_device, use_torch_threads
 from genserve.services.common.errors import InvalidArgument
 from genserve.services.common.gate import Gate
 from genserve.services.common.images import MAX_PIXELS, from_png, images_response, tensor_from_message, tensor_message
@@ -69,6 +69,7 @@ class Vae:
     __getattr__ = unknown_rpcs
 
     def __init__(self, model_dir: str | None, args: BatchArgs):
+        use_torch_threads(args.torch_threads)
         self.metrics = ServiceMetrics("vae")
         self.gate = Gate.from_env(args.rate_limits)
         self.device = serving_device()

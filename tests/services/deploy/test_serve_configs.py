@@ -82,3 +82,28 @@ def test_deploy_docs_table_is_the_gpu_config(root: Path, gpu_serve_config: dict)
             str(dep["max_queued_requests"]),
         ]
         assert rows[name] == expected, name
+
+
+def test_every_model_app_sets_its_replicas_threads(local_serve_config: dict, gpu_serve_config: dict) -> None:
+    """Ray would start a replica on floor(num_cpus) threads (1 for every fractional local app); the configs say."""
+    for config, expected in ((local_serve_config, {"text": 2, "gan": 1, "vae": 1, "diffusion": 1}),
+                             (gpu_serve_config, {"text": 1, "gan": 1, "vae": 1, "diffusion": 1})):
+        apps = {app["name"]: app for app in config["applications"]}
+        assert {name: apps[name]["args"]["torch_threads"] for name in expected} == expected
+        assert "torch_threads" not in apps["http"]["args"]  # it loads no model
+
+
+def test_use_torch_threads_sets_torch_and_the_c_kernels_count() -> None:
+    import torch
+
+    from genserve.kernels import _cpu_library
+    from genserve.services.common.device import use_torch_threads
+
+    before = torch.get_num_threads()
+    try:
+        use_torch_threads(1)
+        assert torch.get_num_threads() == 1 and _cpu_library.threads() == 1
+        use_torch_threads(None)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
