@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from genserve.services.common.weights import committed_weights
 from genserve.services.diffusion.components import DiffusionComponents
 from genserve.services.diffusion.schedulers.schedule import NoiseScheduleConfig
 from genserve.services.diffusion.text_encoder import TextEncoder, TextEncoderConfig
@@ -18,7 +19,7 @@ from genserve.services.diffusion.tokenizer import WordTokenizer, caption_vocabul
 from genserve.shared.blocks.unet import UNet, UNetConfig
 from genserve.shared.checkpoint import load_weights, read_extra, save_checkpoint
 
-DEFAULT_WEIGHTS = Path(__file__).parent / "weights"
+DEFAULT_WEIGHTS = committed_weights("diffusion")
 # The demo VAE (services/vae) maps 32×32 images to 8×8 latents: 4 pixels per latent cell on each side.
 DEMO_VAE_SCALE_FACTOR = 4
 # Perp-Neg keeps the prompt's colour, shape and position when a negative prompt is given, where CFG's (prompt −

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch.nn.utils.parametrizations import spectral_norm
 
+from genserve.services.common.weights import committed_weights
 from genserve.services.shapes.dataset import COLOURS, POSITIONS, SHAPES, SIZES
 from genserve.shared.blocks.activations import activation
 from genserve.shared.blocks.autoencoder import VAE, VAEConfig
@@ -44,7 +45,7 @@ from genserve.shared.blocks.linear import RowwiseLinear
 from genserve.shared.blocks.norms import norm
 from genserve.shared.checkpoint import load_weights, read_config
 
-DEFAULT_WEIGHTS = Path(__file__).parent / "weights"
+DEFAULT_WEIGHTS = committed_weights("gan")
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,11 @@ import pytest
 
 from genserve.services.client import Client
 from genserve.services.common.builder import model_dir_env
+from genserve.services.common.weights import committed_weights
 from genserve.services.serve import READY_LINE
 
 ROOT = Path(__file__).resolve().parents[2]
-DEMO_TEXT_MODEL = ROOT / "services" / "text" / "weights"
+DEMO_TEXT_MODEL = committed_weights("text")
 # A loaded machine starts Ray slowly (seen: 285 s at load average ~70); GENSERVE_E2E_START_TIMEOUT_S raises it.
 START_TIMEOUT_S = float(os.environ.get("GENSERVE_E2E_START_TIMEOUT_S", "240"))
 STOP_TIMEOUT_S = 30.0

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import torch
 
+from genserve.services.common.weights import committed_weights
 from genserve.services.text.engine.engine import EngineConfig, LLMEngine
 from genserve.services.text.engine.params import Delta, SamplingParams
 from genserve.services.text.engine.progress import DEFAULT_STALL_S, StallDetector
 
-DEMO_DIR = Path(__file__).resolve().parent.parent / "weights"
+DEMO_DIR = committed_weights("text")
 
 
 class AsyncLLMEngine:

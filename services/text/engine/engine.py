@@ -65,6 +65,7 @@ class EngineCounters:
     queried_tokens: int  # prompt tokens admitted
     preemptions: int  # sequences preempted (blocks freed, to be recomputed) because the KV cache ran out
 
+
 class LLMEngine:
     def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig | None = None,
                  model_name: str = "model", runner: ModelRunner | None = None):
