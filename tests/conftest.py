@@ -1,5 +1,5 @@
-"""Test-wide setup: the repository root on sys.path for `tests.*` and `bench.*`, the Triton interpreter on CPU-only
-machines, and seeded RNGs for every test."""
+"""Test-wide setup: the repository root on sys.path for `tests.*` and `bench.*`, where the Triton kernels run (the
+interpreter unless compiled kernels are asked for), and seeded RNGs for every test."""
 
 import os
 import random
@@ -11,13 +11,29 @@ from pathlib import Path
 # `kernels`, which transformers imports). `make test` runs pytest with -P, so the working directory is not first either.
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-# Read when @triton.jit decorates a kernel, so it must be set before any kernel module is imported.
-if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidia0"):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# TRITON_INTERPRET is read when @triton.jit decorates a kernel, so one process runs either interpreted or compiled
+# kernels, never both. Several tests force the Triton backend on CPU tensors (test_text_runners.py, test_backend.py),
+# which only the interpreter can run, so it is on unless a run asks for compiled kernels with TRITON_INTERPRET=0:
+# bench/gpu_check.py does that for its `pytest -m gpu` row. A GPU in the machine changes nothing here
+# (tests/test_conftest_with_a_gpu.py runs the suite's interpreter-forced tests with one faked present).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+COMPILED_KERNELS = os.environ["TRITON_INTERPRET"] in ("", "0")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """GPU tests time and compare the compiled kernels at production sizes: under the interpreter they are skipped,
+    with the command that runs them."""
+    if COMPILED_KERNELS:
+        return
+    skip = pytest.mark.skip(reason="compiled kernels only: TRITON_INTERPRET=0 pytest -m gpu (bench/gpu_check.py)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)
