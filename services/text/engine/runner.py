@@ -30,8 +30,9 @@ class ModelRunner(Protocol):
     kv_dtype: torch.dtype  # what the K/V cache holds; the engine sizes its blocks by it
 
     def kv_cache_budget(self, kv_cache_bytes: int, kv_cache_fraction: float, min_bytes: int) -> int:
-        """Bytes for the KV cache: ``kv_cache_bytes`` when > 0, else ``kv_cache_fraction`` of the device memory
-        left after the weights, else the runner's default; never less than ``min_bytes`` (one full context)."""
+        """Bytes for the KV cache: ``kv_cache_bytes`` when > 0, else ``kv_cache_fraction`` of the device's total
+        memory (a fixed budget, whatever else holds the device), else the runner's default; never less than
+        ``min_bytes`` (one full context)."""
         ...
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:

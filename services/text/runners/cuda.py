@@ -27,7 +27,8 @@ from genserve.shared.blocks.paged import PagedBatch
 log = logging.getLogger(__name__)
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-DEFAULT_KV_CACHE_FRACTION = 0.5  # of the device memory left after the weights (replicas may share a GPU)
+DEFAULT_KV_CACHE_FRACTION = 0.5  # of the device's total memory (replicas may share a GPU: set it per app)
+KV_HEADROOM_BYTES = 2**30  # left free beside the cache: activations of a max_batched_tokens step, graph pools
 CPU_DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 
 
@@ -116,12 +117,24 @@ class CudaRunner:
         self.graphs: DecodeGraphs | None = None
 
     def kv_cache_budget(self, kv_cache_bytes: int, kv_cache_fraction: float, min_bytes: int) -> int:
+        """A fixed budget: ``kv_cache_fraction`` of the GPU's total memory, not of what is free when this replica
+        starts, so replicas sharing a GPU get the same cache whatever order they start in; at least ``min_bytes``.
+        A budget that does not fit in the free memory (less ``KV_HEADROOM_BYTES`` for activations and graphs) is
+        refused here, by name, rather than failing later in an out-of-memory error."""
         if kv_cache_bytes:
             return kv_cache_bytes
         if self.device.type != "cuda":
             return max(CPU_DEFAULT_KV_CACHE_BYTES, min_bytes)
-        free, _ = torch.cuda.mem_get_info(self.device)
-        return int((kv_cache_fraction or DEFAULT_KV_CACHE_FRACTION) * free)
+        free, total = torch.cuda.mem_get_info(self.device)
+        fraction = kv_cache_fraction or DEFAULT_KV_CACHE_FRACTION
+        budget = max(int(fraction * total), min_bytes)
+        if budget > free - KV_HEADROOM_BYTES:
+            raise RuntimeError(
+                f"the KV cache needs {budget / 2**30:.2f} GiB (kv_cache_fraction {fraction} of {total / 2**30:.1f} "
+                f"GiB, at least one full context: {min_bytes / 2**30:.2f} GiB) plus {KV_HEADROOM_BYTES / 2**30:.0f} "
+                f"GiB of headroom, but {free / 2**30:.2f} GiB are free on {self.device}: lower kv_cache_fraction "
+                "or the max_context, or the other replicas' share of this GPU")
+        return budget
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         cfg = self.model.config
@@ -145,6 +158,9 @@ class CudaRunner:
     def execute(self, batch: PagedBatch, rows: list[SampleRow]) -> list[tuple[int, TokenLogprob | None]]:
         if not batch.prefills and self.graphs is not None and batch.n_decode <= self.graphs.max_batch:
             logits = self.graphs.run(batch.to(self.device))
+            if batch.logits_index.numel() != batch.n_decode:
+                # A one-token prefill chunk that does not sample sits among the decode rows: keep the sampled rows.
+                logits = logits[batch.logits_index.to(logits.device)]
         else:
             logits = self.model.forward_paged(batch, self.k_caches, self.v_caches)
         return sample_batch(logits, rows)
