@@ -36,3 +36,10 @@ def sm_count(device: torch.device) -> int:
 @functools.cache
 def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def autotune_limit(configs: list) -> list:
+    """The first GENSERVE_AUTOTUNE_CONFIGS autotune candidates (all when unset): each candidate is one Triton compile
+    per specialisation, and a cold cache on a GPU check machine cannot afford them all for correctness runs."""
+    limit = int(os.environ.get("GENSERVE_AUTOTUNE_CONFIGS", "0"))
+    return configs[:limit] if limit > 0 else configs

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from genserve.kernels._runtime import dot_precision, interpreting, upcast_for_interpreter
+from genserve.kernels._runtime import autotune_limit, dot_precision, interpreting, upcast_for_interpreter
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -43,6 +43,12 @@ AUTOTUNE_CONFIGS = [
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=4, num_stages=4),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=8, num_stages=2),
+]
+# fp32 tiles take twice the shared memory of 16-bit ones: at padded head dims of 128 and more (diffusion's 80 and 160)
+# few or none of the candidates above fit on sm_90, so these narrower ones stand in for them there.
+NARROW_CONFIGS = [
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=8, num_stages=2),
+    triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=2),
 ]
 # A tile of BLOCK_M rows x (padded) head dim in fp32 spread over the program's threads; beyond 64 registers a thread
 # (the score tile needs as many again) ptxas spills on sm_90 (128 x 128 over 4 warps spilled 320 bytes).
@@ -199,21 +205,25 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def autotune_configs(block_d: int, block_dv: int) -> list[triton.Config]:
-    """The autotune candidates for padded head dims: those whose tiles neither spill nor overflow shared memory."""
+def autotune_configs(block_d: int, block_dv: int, elem_bytes: int = 2) -> list[triton.Config]:
+    """The autotune candidates for padded head dims and an element size (2: fp16/bf16, 4: fp32): those whose tiles
+    neither spill nor overflow shared memory; the narrow ones when none of the others fits. Never fewer than two
+    where two fit, so the autotuner times them and drops one that fails to launch (OutOfResources) rather than
+    launching a lone config untimed."""
     widest = max(block_d, block_dv)
 
     def fits(c: triton.Config) -> bool:
         m, n = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-        shared = 2 * (m * block_d + c.num_stages * n * (block_d + block_dv))  # Q once, K/V per stage, 16-bit
+        shared = elem_bytes * (m * block_d + c.num_stages * n * (block_d + block_dv))  # Q once, K/V per stage
         return m * widest // (32 * c.num_warps) <= _MAX_TILE_REGS_PER_THREAD and shared <= _SM90_SHARED_BYTES
 
-    return [c for c in AUTOTUNE_CONFIGS if fits(c)]
+    fitting = [c for c in AUTOTUNE_CONFIGS if fits(c)]
+    return fitting if len(fitting) > 1 else fitting + [c for c in NARROW_CONFIGS if fits(c)]
 
 
 @functools.cache
-def _tuned_kernel(block_d: int, block_dv: int) -> triton.runtime.Autotuner:
-    return triton.autotune(configs=autotune_configs(block_d, block_dv),
+def _tuned_kernel(block_d: int, block_dv: int, elem_bytes: int) -> triton.runtime.Autotuner:
+    return triton.autotune(configs=autotune_limit(autotune_configs(block_d, block_dv, elem_bytes)),
                            key=["CAUSAL", "WINDOW", "VARLEN", "seq_bucket"])(_flash_attention_fwd_kernel)
 
 
@@ -322,5 +332,5 @@ def flash_attention(
         tiles = INTERPRET_CONFIG.kwargs
         _flash_attention_fwd_kernel[grid(tiles)](*args, **meta, **tiles)
     else:
-        _tuned_kernel(block_d, block_dv)[grid](*args, **meta)
+        _tuned_kernel(block_d, block_dv, q.element_size())[grid](*args, **meta)
     return o

@@ -23,7 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
-from genserve.kernels._runtime import dot_precision, interpreting, sm_count, upcast_for_interpreter
+from genserve.kernels._runtime import (
+    autotune_limit,
+    dot_precision,
+    interpreting,
+    sm_count,
+    upcast_for_interpreter,
+)
 from genserve.kernels.flash_attention import LOG2E, M_INIT, MAX_HEAD_DIM, online_softmax_step
 
 # Splits cover a multiple of this many tokens, a multiple of every BLOCK_N below, so tiles never straddle splits.
@@ -51,20 +57,23 @@ def _paged_decode_kernel(
     stride_ob, stride_oh,
     stride_pab, stride_pah, stride_pas,
     stride_pmb, stride_pmh,
-    group_size, qk_scale, tokens_per_split, window,
+    group_size, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, SPLIT_GRANULE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     tl.static_assert(BLOCK_D >= 16 and GROUP_PAD >= 16, "tensor-core dots need K >= 16 and M >= 16")
     b = tl.program_id(0)
     kv_h = tl.program_id(1)
     split = tl.program_id(2)
 
-    # -- this program's slice of the context; the last split runs to the end whatever bound sized the splits --
+    # -- this program's slice of its own sequence's context: every sequence spreads over all the splits (in whole
+    # granules), so a short context in a launch sized for a long one (a CUDA graph sized by the model's maximum)
+    # still runs on many programs --
     context_len = tl.load(context_lens + b)
+    tokens_per_split = tl.cdiv(tl.cdiv(context_len, tl.num_programs(2)), SPLIT_GRANULE) * SPLIT_GRANULE
     start = split * tokens_per_split
     end = tl.minimum(context_len, start + tokens_per_split)
-    end = tl.where(split == tl.num_programs(2) - 1, context_len, end)
     if window > 0:
         # Mistral's sliding window: only the last `window` keys, the query's own included; earlier splits go empty.
         start = tl.maximum(start, context_len - window)
@@ -157,9 +166,8 @@ def _merge_splits_kernel(
 
 @functools.cache
 def _tuned_kernel() -> triton.runtime.Autotuner:
-    return triton.autotune(configs=AUTOTUNE_CONFIGS, key=["BLOCK_D", "PAGE_SIZE", "GROUP_PAD", "SINGLE_SPLIT"])(
-        _paged_decode_kernel
-    )
+    return triton.autotune(configs=autotune_limit(AUTOTUNE_CONFIGS),
+                           key=["BLOCK_D", "PAGE_SIZE", "GROUP_PAD", "SINGLE_SPLIT"])(_paged_decode_kernel)
 
 
 def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -211,7 +219,8 @@ def paged_decode_attention(
 
     `max_context_len` is the expected longest context, used only to choose the split count (a wrong value costs
     speed, not correctness); by default it is the block table's capacity (max_blocks * block_size), which needs no
-    device-to-host copy. `num_splits` overrides the choice (rounded so each split covers a multiple of 256 tokens).
+    device-to-host copy. `num_splits` overrides the choice. Each sequence cuts its own context into up to that many
+    splits of whole 256-token granules, so a short context keeps its parallelism in a launch sized for a long one.
     Sequences with context length 0 produce zeros.
     """
     _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
@@ -233,8 +242,8 @@ def paged_decode_attention(
         max_context_len = block_tables.shape[1] * block_size
     if num_splits is None:
         num_splits = choose_num_splits(batch, n_kv_heads, max_context_len, q.device)
-    tokens_per_split = triton.cdiv(triton.cdiv(max(max_context_len, 1), num_splits), _SPLIT_GRANULE) * _SPLIT_GRANULE
-    num_splits = triton.cdiv(max(max_context_len, 1), tokens_per_split)
+    # No more splits than the bound has granules: past that every sequence would leave splits empty.
+    num_splits = max(1, min(num_splits, triton.cdiv(max(max_context_len, 1), _SPLIT_GRANULE)))
     single = num_splits == 1
 
     if single:
@@ -255,12 +264,13 @@ def paged_decode_attention(
         o.stride(0), o.stride(1),
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
         part_m.stride(0), part_m.stride(1),
-        group_size, sm_scale * LOG2E, tokens_per_split, window,
+        group_size, sm_scale * LOG2E, window,
     )
     block_d = max(16, triton.next_power_of_2(head_dim))
     meta = dict(
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=block_size, GROUP_PAD=max(16, triton.next_power_of_2(group_size)),
-        SINGLE_SPLIT=single, UPCAST=upcast_for_interpreter(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
+        SINGLE_SPLIT=single, SPLIT_GRANULE=_SPLIT_GRANULE, UPCAST=upcast_for_interpreter(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype),
     )
     grid = (batch, n_kv_heads, num_splits)
     if interpreting():

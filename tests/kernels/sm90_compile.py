@@ -109,6 +109,14 @@ def _flash_variants():
         meta = base | dims(d, dv) | {"CAUSAL": True, "WINDOW": False, "VARLEN": False} | config.kwargs
         yield f"flash_attention[D{d},Dv{dv}]", fa._flash_attention_fwd_kernel, pointers, meta, \
             config.num_warps, config.num_stages
+    # fp32 (the diffusion U-Net on a GPU): every candidate at Stable Diffusion's head dims, full attention.
+    fp32 = {n: "*fp32" for n in ("Q", "K", "V", "O")} | {"cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32"}
+    for d in (40, 80, 160):
+        for i, config in enumerate(fa.autotune_configs(fa.padded_head_dim(d), fa.padded_head_dim(d), 4)):
+            meta = {"UPCAST": False, "DOT_PRECISION": "ieee"} | dims(d, d) | {
+                "CAUSAL": False, "WINDOW": False, "VARLEN": False} | config.kwargs
+            yield f"flash_attention[fp32,D{d},cfg{i}]", fa._flash_attention_fwd_kernel, fp32, meta, \
+                config.num_warps, config.num_stages
 
 
 def _paged_variants():
@@ -118,12 +126,13 @@ def _paged_variants():
         # The split variant differs only in its epilogue: build it once, every candidate as single-split.
         for single in (True, False) if i == 0 else (True,):
             meta = {"HEAD_DIM": 128, "BLOCK_D": 128, "PAGE_SIZE": 16, "GROUP_PAD": 16, "SINGLE_SPLIT": single,
-                    "UPCAST": False, "DOT_PRECISION": "tf32"} | config.kwargs
+                    "SPLIT_GRANULE": pa._SPLIT_GRANULE, "UPCAST": False, "DOT_PRECISION": "tf32"} | config.kwargs
             yield f"paged_decode[cfg{i},single={single}]", pa._paged_decode_kernel, pointers, meta, \
                 config.num_warps, config.num_stages
     config = pa.AUTOTUNE_CONFIGS[0]
-    meta = {"HEAD_DIM": 80, "BLOCK_D": 128, "PAGE_SIZE": 16, "GROUP_PAD": 16, "SINGLE_SPLIT": True, "UPCAST": False,
-            "DOT_PRECISION": "tf32", "group_size": 1} | config.kwargs
+    meta = {"HEAD_DIM": 80, "BLOCK_D": 128, "PAGE_SIZE": 16, "GROUP_PAD": 16, "SINGLE_SPLIT": True,
+            "SPLIT_GRANULE": pa._SPLIT_GRANULE, "UPCAST": False, "DOT_PRECISION": "tf32",
+            "group_size": 1} | config.kwargs
     yield "paged_decode[cfg0,D80,mha]", pa._paged_decode_kernel, pointers, meta, config.num_warps, config.num_stages
     merge_ptrs = {"part_acc": "*fp32", "part_m": "*fp32", "part_l": "*fp32", "O": "*bf16"}
     merge_meta = {"HEAD_DIM": 128, "BLOCK_D": 128, "SPLITS_PAD": 64}

@@ -103,3 +103,28 @@ def test_paged_decode_sliding_window_sees_only_the_last_window_keys(num_splits) 
     ref = get_backend("reference").paged_decode(*inputs, window=window)
     assert (out - ref).abs().max().item() <= TOLERANCES[torch.float32]
     assert (out - _reference(*inputs)).abs().max().item() > 1e-3  # the window changed the answer
+
+
+def test_paged_decode_spreads_a_short_context_over_the_splits_of_a_launch_sized_for_a_long_one(monkeypatch) -> None:
+    """A CUDA graph's decode launch is sized by the model's maximum context (its block table's width); a 600-token
+    sequence in a table 16k tokens wide must still run on ceil(600 / 256) splits, not on the first one alone."""
+    from genserve.kernels import paged_attention
+
+    q, k_cache, v_cache, tables, lens = _paged_batch([600], 2, 1, 16, torch.float32)
+    wide = torch.zeros(1, 16384 // BLOCK_SIZE, dtype=torch.int32)
+    wide[:, : tables.shape[1]] = tables
+    busy = []
+    merge = paged_attention._merge_splits_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(part_acc, part_m, part_l, *args, **kwargs):
+                busy.append(int((part_l[0, 0] > 0).sum()))
+                return merge[grid](part_acc, part_m, part_l, *args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(paged_attention, "_merge_splits_kernel", Spy())
+    out = paged_decode_attention(q, k_cache, v_cache, wide, lens)
+    assert paged_attention.choose_num_splits(1, 1, 16384, q.device) == 8  # sized by the table: 2 waves of 4 "SMs"
+    assert busy == [3]
+    assert (out - _reference(q, k_cache, v_cache, wide, lens)).abs().max().item() <= TOLERANCES[torch.float32]
