@@ -93,7 +93,8 @@ def make_rope(cfg: LlamaConfig) -> RoPE:
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: LlamaConfig, backend: Backend | None = None):
+    def __init__(self, cfg: LlamaConfig, backend: Backend | None = None, rope: RoPE | None = None):
+        """``rope``: tables already made (the loader builds the rest on the meta device, where they cannot be)."""
         super().__init__()
         self.config = cfg
         self.backend = backend or get_backend()
@@ -101,7 +102,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.dim, cfg.vocab_size, bias=False, backend=self.backend)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rope = make_rope(cfg)
+        self.rope = make_rope(cfg) if rope is None else rope
 
     def num_params(self) -> int:
         """Parameters of the checkpoint: tied weights once; int8- and GGUF-quantised matrices (buffers) included."""
