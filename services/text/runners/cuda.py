@@ -57,9 +57,10 @@ class DecodeGraphs:
     def max_batch(self) -> int:
         return self.sizes[-1]
 
-    def _static_batch(self, size: int) -> PagedBatch:
+    def _static_batch(self, size: int, width: int | None = None) -> PagedBatch:
+        """The first ``size`` static rows; ``width`` block-table columns (all of them, as graphs capture them)."""
         return PagedBatch(input_ids=self.ids[:size], positions=self.positions[:size], slots=self.slots[:size],
-                          decode_tables=self.tables[:size], decode_lens=self.lens[:size], prefills=(),
+                          decode_tables=self.tables[:size, :width], decode_lens=self.lens[:size], prefills=(),
                           logits_index=self.index[:size])
 
     def _capture(self) -> None:
@@ -99,7 +100,8 @@ class DecodeGraphs:
             graph, logits = self.graphs[size]
             graph.replay()
             return logits[:n]
-        return self.model.forward_paged(self._static_batch(size), self.k_caches, self.v_caches)[:n]
+        # Eager: only the batch's own table width, which a backend that gathers whole tables (torch) reads per layer.
+        return self.model.forward_paged(self._static_batch(size, width), self.k_caches, self.v_caches)[:n]
 
 
 class CudaRunner:
@@ -111,7 +113,11 @@ class CudaRunner:
         self.device = model.model.embed_tokens.weight.device
         self.kv_dtype = model.model.embed_tokens.weight.dtype  # the model's compute dtype (bf16 on GPUs)
         self.max_running = max_running
-        self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and not model.config.n_experts
+        # Graphs only over the Triton kernels: their decode tables are as wide as the model's context, which the paged
+        # kernel never reads past a sequence's length, while torch's paged decode (GENSERVE_BACKEND=torch) would
+        # gather every column in every layer (128k tokens x 64 rows x 8 heads x 128 x 2 bytes: 16 GB a layer).
+        self.cuda_graphs = (cuda_graphs and self.device.type == "cuda" and not model.config.n_experts
+                            and model.backend.name in ("auto", "triton"))
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None

@@ -76,3 +76,20 @@ def test_a_kv_budget_that_does_not_fit_in_free_memory_is_refused_by_name(model, 
         _budget(model, monkeypatch, free=int(19.5 * GIB), total=80 * GIB)
     fits = 20 * GIB + KV_HEADROOM_BYTES
     assert _budget(model, monkeypatch, free=fits, total=80 * GIB) == 20 * GIB
+
+
+def test_eager_decode_reads_only_the_batch_table_width(model, monkeypatch) -> None:
+    """Graphs need tables as wide as the model's context; an eager step (graphs off, or the torch backend, which
+    gathers whole tables) passes only the batch's own columns (defect 7)."""
+    runner = CudaRunner(model, max_running=4)
+    runner.allocate_kv_cache(num_blocks=4, block_size=BLOCK)
+    assert runner.graphs.tables.shape[1] == model.config.max_position // BLOCK == 32
+    widths = []
+    decode = model.backend.paged_decode
+    monkeypatch.setattr(model.backend, "paged_decode",
+                        lambda q, k, v, tables, *args, **kwargs: widths.append(tables.shape[1]) or
+                        decode(q, k, v, tables, *args, **kwargs))
+    monkeypatch.setattr(cuda, "sample_batch", lambda logits, rows: [(0, None)] * len(rows))
+    runner.execute(_decode_batch([3, 5], sampled=[0, 1]), rows=[None, None])
+    assert widths == [1] * model.config.n_layers
+
