@@ -82,6 +82,11 @@ def image_diffusers(unet: torch.nn.Module, pipe: DiffusionPipeline, steps: int,
     return one_image
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def time_interleaved(ours: Callable[[int], torch.Tensor], theirs: Callable[[int], torch.Tensor],
                      repeats: int) -> tuple[list[float], list[float]]:
     """Seconds per image for each side. The two alternate image by image, and which goes first alternates too, so
@@ -91,8 +96,10 @@ def time_interleaved(ours: Callable[[int], torch.Tensor], theirs: Callable[[int]
     for r in range(repeats):
         order = [("ours", ours), ("theirs", theirs)]
         for name, image in order if r % 2 == 0 else reversed(order):
+            _sync()
             start = time.perf_counter()
             image(r)
+            _sync()  # CUDA queues kernels: without it a side that returns device tensors is timed at its launches
             times[name].append(time.perf_counter() - start)
     return times["ours"], times["theirs"]
 

@@ -121,7 +121,8 @@ class Diffusion:
             latents = future.result()  # (N, C, h, w), ready for the VAE's decode
         finally:
             cancel.set()  # the loop drops this request at its next step when the client went away
-        images = await self._decoder().Decode.remote(vae_pb2.DecodeRequest(latents=tensor_message(latents)))
+        message = await asyncio.to_thread(tensor_message, latents)  # a device-to-host copy: off the event loop
+        images = await self._decoder().Decode.remote(vae_pb2.DecodeRequest(latents=message))
         images.seed = seed
         self.metrics.images("Generate", len(images.images))
         yield diffusion_pb2.DiffusionEvent(result=images)

@@ -183,6 +183,7 @@ class StepBatcher:
                     job.fail(exc)
                 finished += jobs
                 continue
+            _wait_for_device(outs[0])
             for job, out in zip(jobs, outs, strict=True):
                 try:
                     job.state.advance(out)
@@ -209,3 +210,11 @@ class StepBatcher:
         temb = torch.cat([temb.expand(len(rows), -1) for rows, _, temb in inputs])
         out = self.unet(x, t, StackedContext([job.state.context for job in jobs]), temb=temb)
         return list(out.split([job.state.rows for job in jobs]))
+
+
+def _wait_for_device(out: torch.Tensor) -> None:
+    """Block this loop thread until the U-Net call that made ``out`` has run: CUDA only queues kernels, so without it
+    a progress event would say when a step was queued, not when it was done, and the thread would run steps ahead
+    until the first host copy stalled whoever made it (the replica's event loop, for the last latents)."""
+    if out.is_cuda:
+        torch.cuda.current_stream(out.device).synchronize()
