@@ -12,7 +12,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export RAY_AUTH_MODE := disabled
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 
-.PHONY: setup serve test lint protos load gpu-check default-model fuzz-http fuzz soak
+.PHONY: setup serve test lint protos load gpu-check gpu-prepare default-model fuzz-http fuzz soak
 
 setup: $(STAMP)
 
@@ -47,6 +47,11 @@ load: $(STAMP)
 # On a machine with a CUDA GPU (and a CUDA build of torch: TORCH_SPEC / deploy/Dockerfile): every GPU check, one table.
 gpu-check: $(STAMP)
 	$(PY) bench/gpu_check.py
+
+# The GPU check machine as it is (no venv of ours, no network): its missing wheels into .whl/, then the one command
+# to run there, `bash bench/gpu_device.sh` (docs/benchmarks.md).
+gpu-prepare: $(STAMP)
+	$(PY) -P bench/gpu_prepare.py
 
 # schemathesis against the HTTP API's own OpenAPI schema on a fresh local stack: >= 500 requests, no 5xx.
 fuzz-http: $(STAMP)
