@@ -49,6 +49,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))  # `bench.lm`; appended, so the checkout never shadows an installed package
 
+from bench import chat_paths  # noqa: E402
 from genserve.services.client import AsyncClient, Client, ClientTls  # noqa: E402
 from genserve.services.client.errors import InvalidArgument  # noqa: E402
 from genserve.services.serve import READY_LINE  # noqa: E402
@@ -228,77 +229,59 @@ def chat_rows(args: argparse.Namespace) -> list[tuple[str, np.ndarray, np.ndarra
             (f"chat stream, whole answer ({tokens} tokens)", grpc_ms[:, 1], http_ms[:, 1])]
 
 
-async def grpc_concurrent(address: str, streams: int, max_tokens: int, temperature: float,
-                          tls: ClientTls | None) -> tuple[int, float]:
-    async with AsyncClient(address, timeout=300, tls=tls) as client:
-        async def one(seed: int) -> int:
-            return sum([len(c.token_ids) async for c in client.generate_stream(
-                messages=CHAT, max_tokens=max_tokens, temperature=temperature, seed=seed)])
+async def stack_paths(args: argparse.Namespace) -> list[chat_paths.PathResult]:
+    """The same chats over gRPC (the SDK) and over HTTP (the `openai` client) through the stack."""
+    from openai import AsyncOpenAI
 
-        start = time.perf_counter()
-        tokens = await asyncio.gather(*(one(i) for i in range(streams)))
-        return sum(tokens), time.perf_counter() - start
-
-
-async def http_concurrent(url: str, streams: int, max_tokens: int, temperature: float,
-                          verify: ssl.SSLContext | bool) -> tuple[int, float]:
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=streams),
-                                 verify=verify) as http:
-        async def one(seed: int) -> int:
-            tokens = 0
-            body = {**chat_body(max_tokens), "temperature": temperature, "seed": seed}
-            async with http.stream("POST", "/chat/completions", json=body) as response:
-                async for line in response.aiter_lines():
-                    tokens = sse_tokens(line) or tokens
-            return tokens
-
-        start = time.perf_counter()
-        tokens = await asyncio.gather(*(one(i) for i in range(streams)))
-        return sum(tokens), time.perf_counter() - start
+    async with AsyncClient(args.address, timeout=300, tls=args.tls) as client:
+        grpc_result = await chat_paths.measure_path(
+            "genserve via make serve, gRPC (SDK)",
+            chat_paths.grpc_chat(client, args.stream_tokens, args.stream_temperature), args.rounds)
+    http = httpx.AsyncClient(verify=args.verify, limits=httpx.Limits(max_connections=len(chat_paths.QUESTIONS)))
+    async with AsyncOpenAI(base_url=args.http_url, api_key="none", http_client=http) as client:
+        http_result = await chat_paths.measure_path(
+            "genserve via make serve, HTTP (openai)",
+            chat_paths.openai_chat(client, "text", args.stream_tokens, args.stream_temperature), args.rounds)
+    return [grpc_result, http_result]
 
 
-def llama_cpp_serial(args: argparse.Namespace) -> tuple[str, float, float] | None:
-    """llama.cpp on the default model's GGUF file answering the same chats one after another in this process
-    (llama.cpp decodes one sequence at a time), or None with a printed reason."""
-    from bench.lm import llama_cpp_for
-    from genserve.services.text import default_model
+async def llama_server_path(args: argparse.Namespace, model: Path) -> chat_paths.PathResult | None:
+    """llama-server on the same GGUF file with the same chats over the same client, or None with a printed reason."""
+    from openai import AsyncOpenAI
 
-    path = default_model.cached()
-    with Client(args.address, timeout=60, tls=args.tls) as client:
-        served = client.model_info().model_name
-    if path is None or served != path.stem:
-        print(f"llama.cpp row: skipped (the stack serves {served!r}, not the default GGUF file)")
+    binary = chat_paths.llama_server_binary()
+    if binary is None:
+        print("llama-server row: skipped (no llama-server: set LLAMA_SERVER to its path; docs/benchmarks.md says how "
+              "to build it from the llama-cpp-python sdist)")
         return None
-    llm = llama_cpp_for(path, args.llama_threads)
-    if llm is None:
+    if model.suffix != ".gguf":
+        print(f"llama-server row: skipped (the stack serves {model.name}, not a GGUF file)")
         return None
-
-    def serial() -> tuple[int, float]:
-        start, tokens = time.perf_counter(), 0
-        for seed in range(args.streams):
-            reply = llm.create_chat_completion(messages=CHAT, max_tokens=args.stream_tokens,
-                                               temperature=args.stream_temperature, seed=seed)
-            tokens += reply["usage"]["completion_tokens"]
-        return tokens, time.perf_counter() - start
-
-    serial()  # warm-up
-    best = max((serial() for _ in range(args.rounds)), key=lambda r: r[0] / r[1])
-    return f"llama.cpp {path.name}, one after another ({args.llama_threads} threads)", best[0] / best[1], best[1]
+    slots = len(chat_paths.QUESTIONS)
+    with chat_paths.llama_server(binary, model, args.port + 50, args.llama_threads, slots) as url:
+        http = httpx.AsyncClient(limits=httpx.Limits(max_connections=slots))
+        async with AsyncOpenAI(base_url=url, api_key="none", http_client=http) as client:
+            return await chat_paths.measure_path(
+                f"llama-server -np {slots} -t {args.llama_threads}, HTTP (openai)",
+                chat_paths.openai_chat(client, model.stem, args.stream_tokens, args.stream_temperature), args.rounds)
 
 
-def concurrent_rows(args: argparse.Namespace) -> list[tuple[str, float, float]]:
-    """(protocol, tokens/s in total, seconds) of `--streams` concurrent streamed chats, best of `--rounds`; then
-    llama.cpp's row where it runs."""
-    rows = []
-    for name, run in (("gRPC", lambda: grpc_concurrent(args.address, args.streams, args.stream_tokens,
-                                                       args.stream_temperature, args.tls)),
-                      ("HTTP", lambda: http_concurrent(args.http_url, args.streams, args.stream_tokens,
-                                                       args.stream_temperature, args.verify))):
-        asyncio.run(run())  # warm-up
-        best = max((asyncio.run(run()) for _ in range(args.rounds)), key=lambda r: r[0] / r[1])
-        rows.append((name, best[0] / best[1], best[1]))
-    llama = llama_cpp_serial(args)
-    return rows + ([llama] if llama else [])
+def paths_report(args: argparse.Namespace, stack: list[chat_paths.PathResult], model_path: str) -> str:
+    """Issue 30's table: the engine in-process (after the stack, when the bench started it, has stopped), the two
+    stack paths, and llama-server (one server after the other), with the goals judged under it."""
+    engine = chat_paths.InProcess(model_path, args.stream_tokens, args.stream_temperature)
+    results = {"engine": engine.measure(args.rounds)}
+    del engine
+    results["grpc"], results["http"] = stack
+    llama = asyncio.run(llama_server_path(args, Path(model_path)))
+    if llama is not None:
+        results["llama"] = llama
+    rows = list(results.values())
+    lines = [f"{len(chat_paths.QUESTIONS)} chat questions, streamed, at most {args.stream_tokens} tokens, temperature "
+             f"{args.stream_temperature}, seed i; serial: the first {chat_paths.SERIAL} one after another; best of "
+             f"{args.rounds} rounds; model {Path(model_path).name}", "",
+             chat_paths.table(rows, rows[0].name), ""]
+    return "\n".join(lines + chat_paths.goals(results))
 
 
 def engine_in_process(model_path: str, n: int) -> tuple[str, np.ndarray, str]:
@@ -335,14 +318,6 @@ def chat_table(rows: list[tuple[str, np.ndarray, np.ndarray]]) -> str:
         h50, h99 = np.percentile(http_ms, [50, 99])
         lines.append(f"| {name:40} | {len(grpc_ms):>4} | {g50:8.2f} | {g99:8.2f} | {h50:8.2f} | {h99:8.2f} | "
                      f"{h50 / g50:16.2f}x |")
-    return "\n".join(lines)
-
-
-def concurrency_table(rows: list[tuple[str, float, float]], streams: int, tokens: int, temperature: float) -> str:
-    base = rows[0][1]
-    lines = [f"| {streams} concurrent streamed chats, at most {tokens} tokens each, temperature {temperature} | "
-             "tok/s in total | seconds | / gRPC |", "|---|---|---|---|"]
-    lines += [f"| {name} | {rate:.0f} | {seconds:.2f} | {rate / base:.2f}x |" for name, rate, seconds in rows]
     return "\n".join(lines)
 
 
@@ -413,12 +388,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--http-url", help="the OpenAI-compatible API (default: the stack's, port = gRPC - 1000)")
     parser.add_argument("--chat-tokens", type=int, default=16, help="max_tokens of the sequential streamed chats")
-    parser.add_argument("--streams", type=int, default=16, help="concurrent streamed chats per protocol")
-    parser.add_argument("--stream-tokens", type=int, default=64, help="max_tokens of each concurrent chat")
+    parser.add_argument("--stream-tokens", type=int, default=64, help="max_tokens of each chat of the paths table")
     parser.add_argument("--stream-temperature", type=float, default=0.7,
-                        help="temperature of the concurrent chats (each with its own seed)")
-    parser.add_argument("--llama-threads", type=int, default=2, help="threads of the llama.cpp row")
-    parser.add_argument("--rounds", type=int, default=3, help="concurrent rounds per protocol (the best is shown)")
+                        help="temperature of the paths table's chats (each with its own seed)")
+    parser.add_argument("--llama-threads", type=int, default=2, help="threads of the llama-server row")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per path and load (the best is shown)")
+    parser.add_argument("--paths", action="store_true", help="only the paths table (in-process, gRPC, HTTP, "
+                        "llama-server)")
     parser.add_argument("--batching", action="store_true", help="only the image apps' batching table")
     parser.add_argument("--images", type=int, default=32, help="N of the batching table's GAN and VAE rows")
     parser.add_argument("--diffusion-images", type=int, default=8, help="N of its diffusion rows")
@@ -444,19 +420,27 @@ def main(argv: list[str] | None = None) -> int:
         args.http_url = args.http_url or f"http://127.0.0.1:{args.port - 1000}/v1"
         args.health_address = args.health_address or f"127.0.0.1:{args.port + 1}"
         with serve_stack(args.port):
-            rows, chats, concurrent = measure(args), chat_rows(args), concurrent_rows(args)
+            rows, chats, stack, model_path = stack_tables(args)
     else:
         host, port = args.address.rsplit(":", 1)
         args.health_address = args.health_address or f"{host}:{int(port) + 1}"
         args.http_url = args.http_url or f"http://{host}:{int(port) - 1000}/v1"
-        rows, chats, concurrent = measure(args), chat_rows(args), concurrent_rows(args)
-    print(table(rows))
-    print()
-    print(chat_table(chats))
-    print()
-    print(concurrency_table(concurrent, args.streams, args.stream_tokens, args.stream_temperature))
+        rows, chats, stack, model_path = stack_tables(args)
+    if rows:
+        print(table(rows))
+        print()
+        print(chat_table(chats))
+        print()
+    print(paths_report(args, stack, model_path))
     return 0
 
+
+def stack_tables(args: argparse.Namespace) -> tuple[list, list, list[chat_paths.PathResult], str]:
+    """What needs the stack: the latency and chat tables (unless --paths), the two stack paths, the served file."""
+    with Client(args.address, timeout=60, tls=args.tls) as client:
+        model_path = client.model_info().model_path
+    rows, chats = ([], []) if args.paths else (measure(args), chat_rows(args))
+    return rows, chats, asyncio.run(stack_paths(args)), model_path
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -34,16 +34,25 @@ import yaml
 
 from genserve.services.common import drain, ray_adapter, tls_front
 from genserve.services.common.auth import INSECURE_ENV, KEYS_FILE_ENV, Access, insecure
-from genserve.services.common.deploy_config import GRPC_PORT, HEALTH_PORT, HTTP_PORT, LOCAL_PATH, SERVE_ENV
+from genserve.services.common.deploy_config import (
+    GRPC_PORT,
+    HEALTH_PORT,
+    HTTP_PORT,
+    LOCAL_PATH,
+    LOCAL_SERVE_ENV,
+    SERVE_ENV,
+)
 from genserve.services.text import default_model
 
 # Ray must bind 127.0.0.1, must not switch on token auth (a second driver could not connect), and must not phone
-# home (no network here); and Serve's request path as on GPU nodes (deploy_config.SERVE_ENV).
+# home (no network here); Serve's request path as on GPU nodes (deploy_config.SERVE_ENV), and less of Serve's
+# background work on a CPU node's few cores (deploy_config.LOCAL_SERVE_ENV).
 RAY_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
     **SERVE_ENV,
+    **LOCAL_SERVE_ENV,
 }
 METRICS_PORT = 8080
 CUT_GRACE_S = 5.0  # past the drain time: for the replicas to end their calls and the statuses to reach the clients

@@ -18,7 +18,6 @@ and the diffusion loop stops at its next step. Errors are OpenAI error objects (
 
 # No `from __future__ import annotations` here: FastAPI reads the routes' parameter types at runtime (through
 # serve.ingress), and string annotations would turn the bodies into query parameters.
-import asyncio
 import contextlib
 import logging
 import time
@@ -253,13 +252,6 @@ class OpenAIApi:
         reply = text.chat_reply if chat else text.completion_reply
         return JSONResponse(reply(body.model, job, replies, texts))
 
-    async def _prompt_tokens(self, job: text.TextJob) -> int:
-        """The prompt tokens of the body's prompts, for a stream's usage (its chunks carry no prompt count)."""
-        handle = self._handle("text")
-        requests = [text_pb2.TokenizeRequest(text=r.prompt, messages=r.messages) for r in job.requests[:: job.n]]
-        replies = await asyncio.gather(*(handle.Tokenize.remote(r) for r in requests))
-        return sum(len(r.token_ids) for r in replies)
-
     async def _text_stream(self, body: ChatBody | CompletionBody, job: text.TextJob, ticket: Ticket,
                            chat: bool) -> Response:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -267,13 +259,10 @@ class OpenAIApi:
         handle = self._handle("text").options(stream=True)
         streams = [handle.GenerateStream.remote(r) for r in job.requests]
         chunks = merge(streams)
-        counted: asyncio.Future | None = None
 
         def stop() -> None:
             for s in streams:
                 s.cancel()
-            if counted is not None:
-                counted.cancel()
 
         try:  # the first chunk before the headers: an error up to here gets its own status
             first = await anext(chunks)
@@ -281,8 +270,6 @@ class OpenAIApi:
             stop()
             await chunks.aclose()
             raise
-        if include_usage:  # counted while the rest is generated, not beside the prefill
-            counted = asyncio.ensure_future(self._prompt_tokens(job))
 
         async def write(items: list[tuple[int, text_pb2.TextChunk]]) -> bytes:
             events = []
@@ -299,8 +286,8 @@ class OpenAIApi:
                 async with contextlib.aclosing(batches(chunks)) as arrivals:  # its reader stops before aclose below
                     async for items in arrivals:
                         yield await write(items)
-                if counted is not None:
-                    yield text.sse(writer.usage_chunk(await counted))
+                if include_usage:
+                    yield text.sse(writer.usage_chunk())
                 yield text.sse("[DONE]")
             except Exception as exc:  # after the headers: the error goes in the stream, as OpenAI does
                 request_id = _request_id()

@@ -220,6 +220,7 @@ class ChunkWriter:
         self.created = int(time.time())
         self.offsets = [0] * len(self.job.requests)
         self.completion_tokens = 0
+        self.prompt_lengths = [0] * len(self.job.requests)  # from each choice's last chunk
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -237,6 +238,7 @@ class ChunkWriter:
 
     def chunk(self, index: int, chunk: text_pb2.TextChunk, texts: TokenTexts) -> dict[str, Any]:
         self.completion_tokens += len(chunk.token_ids)
+        self.prompt_lengths[index] = chunk.prompt_tokens or self.prompt_lengths[index]
         top = self.job.top_logprobs
         choice: dict[str, Any] = {"index": index}
         if self.chat:
@@ -250,9 +252,10 @@ class ChunkWriter:
         choice["finish_reason"] = finish_reason(chunk.finish_reason)
         return self._chunk([choice])
 
-    def usage_chunk(self, prompt_tokens: int) -> dict[str, Any]:
+    def usage_chunk(self) -> dict[str, Any]:
+        """The usage of the whole stream, once every choice's last chunk is in."""
         out = self._chunk([])
-        out["usage"] = usage(prompt_tokens, self.completion_tokens)
+        out["usage"] = usage(prompt_tokens(self.job, self.prompt_lengths), self.completion_tokens)
         return out
 
 

@@ -125,7 +125,7 @@ class TextGeneration:
             async for delta in deltas:
                 yield text_pb2.TextChunk(
                     text=delta.text, token_ids=delta.token_ids, finish_reason=delta.finish_reason or "",
-                    logprobs=_logprob_messages(delta),
+                    logprobs=_logprob_messages(delta), prompt_tokens=len(prompt_ids) if delta.finish_reason else 0,
                 )
 
     @unary(text_pb2.TokenizeRequest, text_pb2.TokenizeResponse)

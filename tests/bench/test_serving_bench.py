@@ -1,8 +1,9 @@
 """bench/serving.py's tables: the batching table (N concurrent one-image requests against one N-image request) and
-the concurrent chats against gRPC."""
+the paths table (the same chats in-process, over gRPC, over HTTP and on llama-server) with issue 30's goals."""
 
 from __future__ import annotations
 
+from bench.chat_paths import PathResult, Run, goals, table
 from bench.serving import batching_table
 
 
@@ -13,11 +14,31 @@ def test_the_batching_table_shows_both_timings_and_their_ratio():
     assert lines[3] == "| vae Reconstruct | 32 | 390 | 300 | 1.30x |"
 
 
-def test_the_concurrency_table_sets_every_row_against_grpc():
-    from bench.serving import concurrency_table
+def _path(name: str, serial_rate: float, ttft_s: float, concurrent_rate: float) -> PathResult:
+    return PathResult(name, Run(int(serial_rate * 10), 10.0, (ttft_s,) * 8),
+                      Run(int(concurrent_rate * 10), 10.0, (ttft_s * 4,) * 16))
 
-    rows = [("gRPC", 200.0, 5.0), ("HTTP", 190.0, 5.3), ("llama.cpp x.gguf, one after another (2 threads)", 80.0, 12.5)]
-    lines = concurrency_table(rows, 16, 64, 0.7).splitlines()
-    assert lines[0].startswith("| 16 concurrent streamed chats, at most 64 tokens each, temperature 0.7 |")
-    assert lines[3] == "| HTTP | 190 | 5.30 | 0.95x |"
-    assert lines[4] == "| llama.cpp x.gguf, one after another (2 threads) | 80 | 12.50 | 0.40x |"
+
+def test_the_paths_table_sets_every_row_against_the_engine_in_process():
+    rows = [_path("engine", 50.0, 0.080, 120.0), _path("gRPC", 45.0, 0.090, 108.0), _path("llama-server", 90.0, 0.040,
+                                                                                          150.0)]
+    lines = table(rows, "engine").splitlines()
+    assert lines[2] == "| engine | 50.0 | 1.00x | 80 | 120.0 | 1.00x | 320 |"
+    assert lines[3] == "| gRPC | 45.0 | 0.90x | 90 | 108.0 | 0.90x | 360 |"
+    assert lines[4] == "| llama-server | 90.0 | 1.80x | 40 | 150.0 | 1.25x | 160 |"
+
+
+def test_the_goals_are_judged_on_the_measured_rows():
+    results = {"engine": _path("e", 50.0, 0.080, 120.0), "grpc": _path("g", 45.0, 0.090, 90.0),
+               "http": _path("h", 40.0, 0.100, 110.0), "llama": _path("l", 40.0, 0.050, 100.0)}
+    assert goals(results) == [
+        "PASS: gRPC serial tok/s / in-process 0.90x (>= 0.85x)",
+        "MISS: gRPC concurrent tok/s / in-process 0.75x (>= 0.85x)",
+        "MISS: HTTP serial tok/s / in-process 0.80x (>= 0.85x)",
+        "PASS: HTTP concurrent tok/s / in-process 0.92x (>= 0.85x)",
+        "PASS: HTTP serial tok/s / llama-server 1.00x (>= 1.0x)",
+        "MISS: HTTP serial TTFT p50 / llama-server 2.00x (<= 1.5x)",
+        "PASS: HTTP concurrent tok/s / llama-server 1.10x (>= 1.1x)",
+    ]
+    del results["llama"]
+    assert len(goals(results)) == 4  # no llama-server row: its goals are not judged

@@ -1,11 +1,18 @@
 """``AsyncLLMEngine``: the engine's step loop on a worker thread, so the serving event loop never blocks and
-every concurrent ``stream`` call shares one continuous batch."""
+every concurrent ``stream`` call shares one continuous batch.
+
+Deltas cross from the engine thread to the event loop through a mailbox per loop: every delta posted before the loop
+wakes rides on one wake-up (one ``call_soon_threadsafe`` per engine step, not one per stream), and a stream whose
+consumer fell behind receives what waits for it as one merged delta (``Delta.then``), so a slow writer sends one
+message per wake-up instead of one per token, in order and never later than it would have.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,6 +24,32 @@ from genserve.services.text.engine.params import Delta, SamplingParams
 from genserve.services.text.engine.progress import DEFAULT_STALL_S, StallDetector
 
 DEMO_DIR = committed_weights("text")
+
+
+class _Mailbox:
+    """Deltas posted from any thread to one event loop's stream queues, delivered in order."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue[Delta], Delta]] = []
+
+    def post(self, queue: asyncio.Queue[Delta], delta: Delta) -> None:
+        with self._lock:
+            self._items.append((queue, delta))
+            if len(self._items) > 1:
+                return  # the wake-up scheduled with the first item delivers this one too
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is closed; nobody is listening
+            with self._lock:
+                self._items.clear()
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for queue, delta in items:
+            queue.put_nowait(delta)
 
 
 class AsyncLLMEngine:
@@ -31,13 +64,44 @@ class AsyncLLMEngine:
         self._stopping = False
         self.error: BaseException | None = None
         self.progress = StallDetector(stall_s)
+        self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = weakref.WeakKeyDictionary()
 
     @classmethod
     def from_dir(cls, path: str | Path | None = None, *, dtype: str = "auto", config: EngineConfig | None = None,
                  device: str | None = None, stall_s: float = DEFAULT_STALL_S) -> AsyncLLMEngine:
         """Load a checkpoint directory or GGUF file (``None`` -> the committed demo model) into a ready engine on
         ``device`` (default: the replica's, ``services/common/device.py``). ``dtype`` "auto" is bfloat16 on CUDA and
-        float32 on the CPU."""
+        float32 on the CPU.
+
+        The loading runs on the engine's own thread, which then steps it, so that one thread runs every parallel op
+        of the model (loading, prefill, the fused decode step). libgomp keeps a team of workers for each thread that
+        opens parallel regions, and once a process holds more of them than it has cores it stops spinning at
+        barriers and sleeps on a futex at each one: with the weights loaded on the replica's own thread, a decoded
+        token cost ~170 context switches (docs/benchmarks.md, "Where a token's time goes")."""
+        loaded: list[AsyncLLMEngine | BaseException] = []
+        ready = threading.Event()
+
+        def load_then_step() -> None:
+            try:
+                loaded.append(cls._load(path, dtype, config, device, stall_s))
+            except BaseException as exc:  # raised again in the caller's thread
+                loaded.append(exc)
+                return
+            finally:
+                ready.set()
+            loaded[0]._loop()
+
+        thread = threading.Thread(target=load_then_step, name="genserve-text-engine", daemon=True)
+        thread.start()
+        ready.wait()
+        if isinstance(loaded[0], BaseException):
+            raise loaded[0]
+        loaded[0]._thread = thread
+        return loaded[0]
+
+    @classmethod
+    def _load(cls, path: str | Path | None, dtype: str, config: EngineConfig | None, device: str | None,
+              stall_s: float) -> AsyncLLMEngine:
         from genserve.services.common.device import serving_device
         from genserve.services.text.loader import load_model, open_gguf
         from genserve.services.text.tokenizer import TextTokenizer
@@ -126,28 +190,33 @@ class AsyncLLMEngine:
     # ---- requests -------------------------------------------------------------------------------------------
     async def stream(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, *,
                      interactive: bool = True) -> AsyncIterator[Delta]:
-        """Yield a ``Delta`` per produced token as soon as the engine produces it; the last carries the
-        finish_reason. Closing the iterator early (``aclose``, task cancellation) aborts the request. A model
-        failure raises RuntimeError (never a traceback in a delta). ``interactive=False`` (a consumer that only
-        wants the whole reply) lets greedy requests run lookahead steps (``LLMEngine.add_request``)."""
+        """Yield a ``Delta`` per produced token as soon as the engine produces it (the tokens that waited for a
+        busy consumer, merged into one); the last carries the finish_reason. Closing the iterator early (``aclose``,
+        task cancellation) aborts the request. A model failure raises RuntimeError (never a traceback in a delta).
+        ``interactive=False`` (a consumer that only wants the whole reply) lets greedy requests run lookahead steps
+        (``LLMEngine.add_request``)."""
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
+        mailbox = self._mailboxes.get(loop) or self._mailboxes.setdefault(loop, _Mailbox(loop))
         queue: asyncio.Queue[Delta] = asyncio.Queue()
 
         def on_delta(delta: Delta) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, delta)
-            except RuntimeError:  # the consumer's loop is gone; nobody is listening
-                pass
+            mailbox.post(queue, delta)
 
         # Compiling a grammar takes milliseconds to seconds: off the event loop, before the request exists.
         grammar = await asyncio.to_thread(self.engine.grammars.compile, params) if params.structured else None
         self.engine.add_request(request_id, prompt_ids, params, on_delta, interactive=interactive, grammar=grammar)
         self._notify()
-        finished = False
+        finished, held = False, None
         try:
             while not finished:
-                delta = await queue.get()
+                delta, held = held or await queue.get(), None
+                while delta.finish_reason is None and not queue.empty():  # what waits leaves as one delta
+                    later = queue.get_nowait()
+                    if later.finish_reason == "error":
+                        held = later
+                        break
+                    delta = delta.then(later)
                 finished = delta.finish_reason is not None
                 if delta.finish_reason == "error":
                     raise RuntimeError(f"text {delta.text}")

@@ -123,3 +123,8 @@ class Delta:
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
+
+    def then(self, later: Delta) -> Delta:
+        """This delta followed by ``later`` as one: what a consumer that fell behind receives instead of both."""
+        return Delta(self.text + later.text, self.token_ids + later.token_ids, later.finish_reason,
+                     self.logprobs + later.logprobs)

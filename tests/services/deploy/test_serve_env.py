@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from genserve.services import serve
-from genserve.services.common.deploy_config import SERVE_ENV, serve_config
+from genserve.services.common.deploy_config import LOCAL_SERVE_ENV, SERVE_ENV, serve_config
 
 
 def test_serve_env_asks_for_grpc_between_ray_serve_components_and_no_extra_threads() -> None:
@@ -26,6 +26,22 @@ def test_replicas_take_gRPC_messages_as_large_as_the_proxy_does() -> None:
 
 def test_make_serve_sets_the_serve_env_before_ray_starts() -> None:
     assert SERVE_ENV.items() <= serve.RAY_ENV.items()
+
+
+def test_make_serve_slows_serves_background_loops_to_what_its_settings_need() -> None:
+    """The controller's loop and the metrics export run every 0.5 s and 1 s on a CPU node, not every 0.1 s; both
+    stay well inside the autoscaling period (metrics_interval_s) of every local app."""
+    from ray.serve._private import constants
+
+    assert LOCAL_SERVE_ENV.items() <= serve.RAY_ENV.items()
+    assert hasattr(constants, "CONTROL_LOOP_INTERVAL_S") and hasattr(constants, "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS")
+    loop_s = float(LOCAL_SERVE_ENV["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"])
+    export_s = int(LOCAL_SERVE_ENV["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"]) / 1000
+    for app in serve_config("local")["applications"]:
+        for deployment in app["deployments"]:
+            period = deployment.get("autoscaling_config", {}).get("metrics_interval_s")
+            if period is not None:
+                assert loop_s < period * 1.01 and export_s <= period, app["name"]
 
 
 @pytest.mark.parametrize("target", ["local", "gpu"])

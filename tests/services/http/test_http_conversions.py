@@ -112,13 +112,13 @@ def test_completion_stream_chunks_offsets_and_usage() -> None:
     texts = {1: "ab", 2: "c"}
     first = writer.chunk(0, text_pb2.TextChunk(text="ab", token_ids=[1], logprobs=[
         text_pb2.TokenLogprob(token_id=1, logprob=-1.0, top=[text_pb2.TopLogprob(token_id=1, logprob=-1.0)])]), texts)
-    last = writer.chunk(0, text_pb2.TextChunk(text="c", token_ids=[2], finish_reason="stop", logprobs=[
+    last = writer.chunk(0, text_pb2.TextChunk(text="c", token_ids=[2], finish_reason="stop", prompt_tokens=4, logprobs=[
         text_pb2.TokenLogprob(token_id=2, logprob=-2.0)]), texts)
     assert first["choices"][0]["logprobs"] == {"tokens": ["ab"], "token_logprobs": [-1.0], "top_logprobs": [{}],
                                                "text_offset": [0]}
     assert last["choices"][0]["logprobs"]["text_offset"] == [2] and last["choices"][0]["finish_reason"] == "stop"
     assert first["usage"] is None and first["id"] == last["id"]
-    assert writer.usage_chunk(4)["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+    assert writer.usage_chunk()["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
     assert text.sse("[DONE]") == b"data: [DONE]\n\n"
 
 

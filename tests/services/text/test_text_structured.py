@@ -66,7 +66,7 @@ def test_50_sampled_json_outputs_validate_inside_a_batch_with_unconstrained_requ
     assert results[50:] == alone  # the masks stay on their own rows
 
 
-def test_a_streamed_structured_request_arrives_token_by_token_and_validates(demo):
+def test_a_streamed_structured_request_arrives_as_generated_and_validates(demo):
     engine = AsyncLLMEngine(demo)
 
     async def collect():
@@ -77,7 +77,8 @@ def test_a_streamed_structured_request_arrives_token_by_token_and_validates(demo
         deltas = asyncio.run(collect())
     finally:
         engine.shutdown()
-    assert len(deltas) > 10 and all(len(d.token_ids) == 1 for d in deltas)
+    # Streamed while generated (a consumer that fell behind gets what waited as one delta: test_text_stream_coalescing)
+    assert len(deltas) > 1 and sum(len(d.token_ids) for d in deltas) > 10
     assert deltas[-1].finish_reason == "stop"
     jsonschema.validate(json.loads("".join(d.text for d in deltas)), SCHEMA)
 
