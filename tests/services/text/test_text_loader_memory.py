@@ -1,9 +1,11 @@
 """The text loader builds the model on the meta device and takes the checkpoint's tensors, read straight into the
 target dtype, as its weights (issue 37, defect 4): no random init, and no second copy of the weights in fp32.
 
-Peak RSS is read in a fresh process, so nothing else the tests allocated counts. Loading a bf16 checkpoint in bf16
-holds the weights once (W bytes) plus the file's pages that safetensors maps while reading it (W more, the kernel's
-to reclaim); building an fp32 model first, as the loader did, added 2 W for it and W for its bf16 cast (5 W)."""
+Peak RSS is read in a fresh process with its high-water mark reset, so nothing else counts. Loading a bf16
+checkpoint in bf16 now takes the tensors safetensors reads, whose pages the file backs until touched; building a
+randomly initialised fp32 model first and copying into it, as the loader did, allocated 2 W for it and W for its
+cast: on this checkpoint (W = 37 MiB of weights) the peak grew 100 MiB before and 10 MiB after (2026-12-07, 2-core
+EPYC)."""
 
 from __future__ import annotations
 
@@ -18,14 +20,21 @@ from genserve.services.text.loader import load_model, save_model
 from genserve.services.text.model import LlamaForCausalLM, make_rope
 
 MEASURE = """
-import resource, sys
+import sys
 import torch
 from genserve.services.text.loader import load_model
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+def status(key):  # kB
+    return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1])
+
+with torch.device("meta"):  # torch imports its meta kernels on first use: that import is no part of a load
+    torch.nn.Embedding(2, 2)
+with open("/proc/self/clear_refs", "w") as f:  # peak RSS (VmHWM) := RSS now
+    f.write("5")
+before = status("VmRSS:")
 model = load_model(sys.argv[1], "bfloat16")
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 assert next(model.parameters()).dtype == torch.bfloat16
-print((after - before) * 1024)
+print((status("VmHWM:") - before) * 1024)
 """
 
 
@@ -45,7 +54,7 @@ def test_loading_in_bf16_holds_the_weights_once(tmp_path: Path) -> None:
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     peak = int(done.stdout.split()[-1])
-    assert peak <= 2.5 * weight_bytes, f"peak RSS grew {peak / 2**20:.0f} MiB for {weight_bytes / 2**20:.0f} MiB"
+    assert peak <= 1.25 * weight_bytes, f"peak RSS grew {peak / 2**20:.0f} MiB for {weight_bytes / 2**20:.0f} MiB"
 
 
 def test_the_loaded_model_is_the_checkpoint_and_derives_its_rope_tables(tmp_path: Path) -> None:
