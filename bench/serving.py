@@ -1,14 +1,16 @@
 """Serving overhead: p50/p99 latency of trivial RPCs through the Ray Serve gRPC proxy and of a 16-token text
 generation, next to a plain grpc.aio server answering the same trivial RPC in this process; then the same streamed
-chat over gRPC and over the OpenAI-compatible HTTP API (first token and whole answer), and 16 concurrent streamed
-chats over each protocol (tokens/s in total, sampled at `--stream-temperature`), next to llama.cpp answering the same
-chats one after another in this process when llama-cpp-python is installed and the stack serves the default GGUF
-model (issue 14's goal: the stack's 16 streams at >= 3x llama.cpp's one-at-a-time rate).
+chat over gRPC and over the OpenAI-compatible HTTP API (first token and whole answer); then the paths table
+(bench/chat_paths.py, issue 30): 16 sampled chats, one after another and all at once, on the engine in-process,
+through the stack over gRPC and over HTTP, and on llama.cpp's `llama-server` with the same GGUF file over the same
+OpenAI client, one server after the other, with issue 30's goals judged under it. The llama-server row needs its
+binary (`LLAMA_SERVER=path`, or `llama-server` on PATH); docs/benchmarks.md says how to build it.
 
     .venv/bin/python bench/serving.py                  # starts its own stack on ports 9300-9301 (HTTP 8300)
     .venv/bin/python bench/serving.py --address 127.0.0.1:9000 --health-address 127.0.0.1:9001 \
         --http-url http://127.0.0.1:8000/v1            # a running one
     .venv/bin/python bench/serving.py --batching [--port 9820 | --address ...]   # the image apps' batching only
+    LLAMA_SERVER=.../llama-server .venv/bin/python -P bench/serving.py --paths   # only the paths table
 
 `--batching` prints, side by side, N concurrent one-image requests against one N-image request (GAN Sample and VAE
 Reconstruct, N = 32): with dynamic batching (services/common/batcher.py) the ratio approaches 1. A middle row sends

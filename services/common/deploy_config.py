@@ -52,15 +52,18 @@ SERVE_ENV = {
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
     "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(2**31 - 1),
 }
-# Ray Serve's own background work on a small CPU node (`make serve`, services/serve.py): the controller reconciles
-# every 0.1 s and each replica and handle exports its cached metrics every 0.1 s by default. On an idle 2-core stack
-# that took 31% of a core (the controller 9%), all of it taken from the decode step's cores, whose threads spin at
-# barriers and stall whenever one of them is preempted; these values bring it to 21% (docs/benchmarks.md, "Where a
-# token's time goes"). Autoscaling still looks every second (metrics_interval_s), and a new replica starts at most
-# half a second later. GPU nodes, with a core per replica, keep Ray's defaults.
+# Ray on a small CPU node (`make serve`, services/serve.py), where the text replica's decode step needs every core
+# and its threads spin at barriers, stalling whenever one of them is preempted (docs/benchmarks.md, "The path of a
+# token"). Serve's controller reconciles every 0.1 s and each replica and handle exports its cached metrics every
+# 0.1 s by default: on an idle 2-core stack that took 31% of a core (the controller 9%); these values bring it to 21%.
+# Autoscaling still looks every second (metrics_interval_s), and a new replica starts at most half a second later.
+# Ray also starts its workers at nice 15, below its own daemons and every client on the node, which then preempt the
+# decode step at every wake-up; here the replicas are the node's work, so they run at the default priority. GPU
+# nodes, with a core per replica, keep Ray's defaults.
 LOCAL_SERVE_ENV = {
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
     "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+    "RAY_worker_niceness": "0",
 }
 # Ray's built-in resource of the head node: the health gateway must run where probes look (the head's pod).
 HEAD_NODE_RESOURCE = "node:__internal_head__"
