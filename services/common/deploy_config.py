@@ -97,8 +97,8 @@ class AppSpec:
 # Per-request cost sets the numbers: a text replica batches many streams (continuous batching), a diffusion
 # request holds a slot in its replica's step loop for many U-Net steps, GAN/VAE calls are a single cheap forward pass.
 # The text engine's settings per target (docs/deploy.md): on a 2-core CPU, the CPU runner's lookahead and the default
-# KV budget; on an H100/H200, bf16, a KV cache of 35% of the memory left after the weights (text replicas may
-# share a GPU with each other and the image apps), large batches and CUDA graphs.
+# KV budget; on an H100/H200, bf16, a KV cache of 35% of the GPU's memory (text replicas may share a GPU with each
+# other and the image apps), large batches and CUDA graphs.
 # torch_threads: Ray starts a replica with floor(num_cpus) threads, at least 1. Locally the text replica takes both
 # cores (its decode step is the latency path; the image apps take one each); on GPU nodes each replica has its CPU.
 LOCAL_TEXT_SETTINGS = (("dtype", "auto"), ("max_batched_tokens", 512), ("max_running", 64), ("max_lookahead", 8),

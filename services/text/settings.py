@@ -16,8 +16,8 @@ from genserve.services.text.engine.progress import DEFAULT_STALL_S
 class TextArgs(AppArgs):
     # "auto": bfloat16 on CUDA, float32 on the CPU; "int8": int8 weight-only linear layers.
     dtype: Literal["auto", "float32", "bfloat16", "float16", "int8"] = "auto"
-    # The KV cache: bytes, or a fraction of the device memory left after the weights (vLLM's
-    # gpu_memory_utilization, applied to what is left); neither: the runner's default. Never below one full context.
+    # The KV cache: bytes, or a fraction of the device's memory (CUDA: of the GPU's total, a fixed budget whatever
+    # other replicas took first); neither: the runner's default. Never below one full context.
     kv_cache_bytes: int | None = Field(None, gt=0)
     kv_cache_fraction: float | None = Field(None, gt=0, lt=1)
     # The defaults are EngineConfig's, set there once.

@@ -30,8 +30,9 @@ from genserve.shared.blocks.paged import PagedBatch
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16
-    # The paged cache's memory: kv_cache_bytes when > 0, else kv_cache_fraction (when > 0) of the device memory
-    # left after the weights, else the runner's default; never less than one full-context request.
+    # The paged cache's memory: kv_cache_bytes when > 0, else kv_cache_fraction (when > 0) of the device's memory as
+    # the runner counts it (CUDA: the GPU's total; CPU: what is available), else the runner's default; never less
+    # than one full-context request.
     kv_cache_bytes: int = 0
     kv_cache_fraction: float = 0.0
     num_blocks: int = 0  # overrides both when > 0 (tests)
