@@ -57,13 +57,10 @@ SERVE_ENV = {
 # token"). Serve's controller reconciles every 0.1 s and each replica and handle exports its cached metrics every
 # 0.1 s by default: on an idle 2-core stack that took 31% of a core (the controller 9%); these values bring it to 21%.
 # Autoscaling still looks every second (metrics_interval_s), and a new replica starts at most half a second later.
-# Ray also starts its workers at nice 15, below its own daemons and every client on the node, which then preempt the
-# decode step at every wake-up; here the replicas are the node's work, so they run at the default priority. GPU
-# nodes, with a core per replica, keep Ray's defaults.
+# GPU nodes, with a core per replica, keep Ray's defaults.
 LOCAL_SERVE_ENV = {
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
     "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
-    "RAY_worker_niceness": "0",
 }
 # Ray's built-in resource of the head node: the health gateway must run where probes look (the head's pod).
 HEAD_NODE_RESOURCE = "node:__internal_head__"
@@ -115,9 +112,7 @@ GPU_BATCH_SETTINGS = (("max_batch_images", 64), ("batch_wait_s", 0.002), ("torch
 LOCAL_STEP_SETTINGS = (("max_step_rows", 48), ("batch_wait_s", 0.005), ("torch_threads", 1))
 GPU_STEP_SETTINGS = (("max_step_rows", 192), ("batch_wait_s", 0.002), ("torch_threads", 1))
 LOCAL_APPS = (
-    # One engine batches every stream it holds; a second replica on the same cores would only split them and the
-    # cores (and load its model while the first serves), so it comes only once a full replica's worth waits.
-    AppSpec("text", "TextGeneration", 0.4, 0, 1, 2, 16, 16, 32, LOCAL_TEXT_SETTINGS),
+    AppSpec("text", "TextGeneration", 0.4, 0, 1, 2, 4, 16, 32, LOCAL_TEXT_SETTINGS),
     AppSpec("gan", "ImageGan", 0.1, 0, 1, 2, 32, 64, 128, LOCAL_BATCH_SETTINGS),
     AppSpec("vae", "Vae", 0.1, 0, 1, 2, 32, 64, 128, LOCAL_BATCH_SETTINGS),
     # 8 requests share a replica's loop; a burst past 2 x 8 + 8 is shed at once (tests/e2e/test_e2e_overload.py).
