@@ -53,18 +53,28 @@ def _threads(pid: int) -> dict[str, tuple[float, int]]:
     return out
 
 
-def snapshot() -> Snapshot:
-    processes, threads = {}, {}
+def processes() -> dict[int, tuple[str, float]]:
+    """Each live process's command line and CPU seconds so far."""
+    out = {}
     for p in psutil.process_iter(["cmdline", "name"]):
         try:
-            command = " ".join(p.info["cmdline"] or [p.info["name"]])
             times = p.cpu_times()
-            processes[p.pid] = (_label(command), times.user + times.system)
-            if TEXT in command:
-                threads |= _threads(p.pid)
-        except (psutil.Error, OSError):  # a process that ended while we looked
+            out[p.pid] = (" ".join(p.info["cmdline"] or [p.info["name"]]), times.user + times.system)
+        except psutil.Error:  # a process that ended while we looked
             pass
-    return processes, threads
+    return out
+
+
+def snapshot() -> Snapshot:
+    labelled, threads = {}, {}
+    for pid, (command, cpu) in processes().items():
+        labelled[pid] = (_label(command), cpu)
+        if TEXT in command:
+            try:
+                threads |= _threads(pid)
+            except (OSError, IndexError):  # it ended while we looked
+                pass
+    return labelled, threads
 
 
 def per_token(before: Snapshot, after: Snapshot, tokens: int) -> tuple[dict[str, float], float]:
@@ -101,20 +111,10 @@ async def loads() -> list[tuple[str, chat_paths.Run, dict[str, float], float]]:
 
 def idle(seconds: float = 20.0) -> list[tuple[float, str]]:
     """Percent of one core per process of the idle stack, largest first."""
-    def cpu() -> dict[int, tuple[str, float]]:
-        out = {}
-        for p in psutil.process_iter(["cmdline", "name"]):
-            try:
-                times = p.cpu_times()
-                out[p.pid] = (" ".join(p.info["cmdline"] or [p.info["name"]])[:60], times.user + times.system)
-            except psutil.Error:
-                pass
-        return out
-
-    before = cpu()
+    before = processes()
     time.sleep(seconds)
-    after = cpu()
-    return sorted(((after[p][1] - before[p][1]) / seconds * 100, after[p][0]) for p in after if p in before)[::-1]
+    after = processes()
+    return sorted(((after[p][1] - before[p][1]) / seconds * 100, after[p][0][:60]) for p in after if p in before)[::-1]
 
 
 def main() -> int:

@@ -24,6 +24,7 @@ from genserve.services.text.engine.params import Delta, SamplingParams
 from genserve.services.text.engine.progress import DEFAULT_STALL_S, StallDetector
 
 DEMO_DIR = committed_weights("text")
+ENGINE_THREAD = "genserve-text-engine"
 
 
 class _Mailbox:
@@ -77,7 +78,7 @@ class AsyncLLMEngine:
         of the model (loading, prefill, the fused decode step). libgomp keeps a team of workers for each thread that
         opens parallel regions, and once a process holds more of them than it has cores it stops spinning at
         barriers and sleeps on a futex at each one: with the weights loaded on the replica's own thread, a decoded
-        token cost ~170 context switches (docs/benchmarks.md, "Where a token's time goes")."""
+        token cost 269 context switches in the replica (docs/benchmarks.md, "Where a token's time goes")."""
         loaded: list[AsyncLLMEngine | BaseException] = []
         ready = threading.Event()
 
@@ -91,7 +92,7 @@ class AsyncLLMEngine:
                 ready.set()
             loaded[0]._loop()
 
-        thread = threading.Thread(target=load_then_step, name="genserve-text-engine", daemon=True)
+        thread = threading.Thread(target=load_then_step, name=ENGINE_THREAD, daemon=True)
         thread.start()
         ready.wait()
         if isinstance(loaded[0], BaseException):
@@ -156,7 +157,7 @@ class AsyncLLMEngine:
     # ---- the worker thread ----------------------------------------------------------------------------------
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._loop, name="genserve-text-engine", daemon=True)
+            self._thread = threading.Thread(target=self._loop, name=ENGINE_THREAD, daemon=True)
             self._thread.start()
 
     def _loop(self) -> None:

@@ -1,6 +1,6 @@
 """`AsyncLLMEngine.from_dir` loads the model on the engine's own thread, which then steps it: one thread opens every
 parallel region of the model, so libgomp keeps one team of workers and spins at the decode step's barriers instead of
-sleeping at each (what a Ray replica, whose loading thread is not the engine's, paid ~170 context switches a token
+sleeping at each (what a Ray replica, whose loading thread is not the engine's, paid 269 context switches a token
 for)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from genserve.services.text.engine.async_engine import AsyncLLMEngine
+from genserve.services.text.engine.async_engine import ENGINE_THREAD, AsyncLLMEngine
 from genserve.services.text.engine.params import SamplingParams
 
 
@@ -38,7 +38,7 @@ def test_the_thread_that_loads_the_model_is_the_one_that_steps_it(monkeypatch):
                                             SamplingParams(max_tokens=8, temperature=0))
         assert len(ids) == 8 and reason == "length"
         assert loaders == [engine._thread] and steppers == {engine._thread}
-        assert loaders[0] is not threading.current_thread() and loaders[0].name == "genserve-text-engine"
+        assert loaders[0] is not threading.current_thread() and loaders[0].name == ENGINE_THREAD
     finally:
         engine.shutdown()
 
@@ -47,7 +47,7 @@ def test_a_load_that_fails_raises_in_the_caller_and_leaves_no_thread(tmp_path):
     before = {t.name for t in threading.enumerate()}
     with pytest.raises(FileNotFoundError):
         AsyncLLMEngine.from_dir(tmp_path / "missing")
-    assert "genserve-text-engine" not in {t.name for t in threading.enumerate()} - before
+    assert ENGINE_THREAD not in {t.name for t in threading.enumerate()} - before
 
 
 # A process laid out like a replica: torch set to two threads on its main thread, which opens no parallel region;
