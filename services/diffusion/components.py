@@ -1,5 +1,6 @@
-"""What the pipeline runs, whatever checkpoint it came from: the demo model (services/diffusion/model.py) or a
-Stable-Diffusion-format diffusers folder (services/diffusion/sd_folder.py) both load into these parts.
+"""What the pipeline runs, whatever checkpoint it came from: the demo model (services/diffusion/model.py), a
+Stable-Diffusion-format diffusers folder (services/diffusion/sd_folder.py) or an SD3-format one
+(services/diffusion/sd3_folder.py) all load into these parts.
 """
 
 from __future__ import annotations
@@ -11,15 +12,18 @@ from typing import Literal
 import torch
 from torch import nn
 
+from genserve.services.diffusion.flow_match import FlowMatchConfig
 from genserve.services.diffusion.params import DEFAULT_NEGATIVE_WEIGHT
 from genserve.services.diffusion.schedulers.schedule import NoiseScheduleConfig
-from genserve.shared.blocks.unet import UNet
+from genserve.shared.blocks.cross_attention import ContextCache
 
 
 @dataclass(frozen=True)
 class DiffusionComponents:
-    unet: UNet
-    text_encoder: nn.Module  # ids (B, T) -> (B, T, cross_attention_dim)
+    # The denoiser: a U-Net (shared/blocks/unet.py) or a diffusion transformer (services/diffusion/mmdit.py), each
+    # called as (latents, timesteps, context, temb=...) and with time_embed(timesteps, dtype).
+    unet: nn.Module
+    text_encoder: nn.Module  # ids (B, T) -> (B, T, cross_attention_dim); or the DiT's encoders (see conditioning)
     tokenizer: Callable[[list[str]], torch.Tensor]  # prompts -> ids (B, T)
     # The noise schedule each sampler name runs with (a diffusers folder's scheduler_config.json reads per sampler).
     schedule: Callable[[str], NoiseScheduleConfig]
@@ -41,6 +45,15 @@ class DiffusionComponents:
     default_negative_weight: float = DEFAULT_NEGATIVE_WEIGHT
     # un-scaled latents (N, C, h, w) -> a coarse (N, 3, h, w) RGB image; None when the model has none
     preview: nn.Module | None = None
+    # Latents are (z - shift_factor) * scaling_factor (the 16-channel VAEs of SD3 and Flux; 0 for SD 1.x).
+    shift_factor: float = 0.0
+    # prompts -> the context the denoiser reads, when it is more than one encoder's states (SD3: TextConditioning);
+    # None: ContextCache(text_encoder(tokenizer(prompts))).
+    conditioning: Callable[[list[str]], ContextCache] | None = None
+    # A flow-matching model (SD3, Flux) samples with flow-match Euler under this config, and only with it.
+    flow: FlowMatchConfig | None = None
+    # Image sides must be multiples of this (SD3: the VAE's 8 × the 2×2 patches); None: vae_scale_factor.
+    size_multiple: int | None = None
 
     def uses_guidance(self, guidance_scale: float) -> bool:
         """Whether a step runs the unconditional half next to the conditional one."""

@@ -30,6 +30,7 @@ class Denoising:
     generator: torch.Generator  # the seed's own: sampler noise (DDPM, DDIM η > 0) comes from it
     scaling_factor: float
     index: int = 0  # steps done
+    shift_factor: float = 0.0  # latents are (z - shift) * scale (SD3, Flux)
 
     @property
     def images(self) -> int:
@@ -71,4 +72,4 @@ class Denoising:
 
     def unscaled(self) -> torch.Tensor:
         """The latents in the VAE's own space (what ``on_step`` and the decoder see)."""
-        return self.latents / self.scaling_factor
+        return self.latents / self.scaling_factor + self.shift_factor

@@ -11,6 +11,7 @@ the same images on every device; after that nothing comes back to the host until
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 
 from genserve.services.diffusion.components import DiffusionComponents
 from genserve.services.diffusion.denoising import Denoising
+from genserve.services.diffusion.flow_match import FlowMatchEulerScheduler
 from genserve.services.diffusion.guidance import combine
 from genserve.services.diffusion.model import LatentDiffusion, load_diffusion
 from genserve.services.diffusion.params import (
@@ -35,7 +37,9 @@ from genserve.services.diffusion.params import (
     GenerationCancelled,
 )
 from genserve.services.diffusion.schedulers import make_scheduler
-from genserve.services.diffusion.sd_folder import is_diffusers_pipeline, load_sd_components
+from genserve.services.diffusion.sd3_folder import PIPELINE_CLASS as SD3_CLASS
+from genserve.services.diffusion.sd3_folder import load_sd3_components
+from genserve.services.diffusion.sd_folder import INDEX, is_diffusers_pipeline, load_sd_components
 from genserve.shared.blocks.cross_attention import ContextCache
 from genserve.shared.seeds import resolve_seed
 
@@ -49,9 +53,11 @@ class DiffusionPipeline:
 
     @classmethod
     def from_dir(cls, path: str | Path | None = None, device: str | torch.device = "cpu") -> DiffusionPipeline:
-        """Load a checkpoint directory: a diffusers Stable Diffusion folder (it has model_index.json) or our own
-        format; None -> services/diffusion/weights/."""
+        """Load a checkpoint directory: a diffusers Stable Diffusion or SD3 folder (it has model_index.json) or our
+        own format; None -> services/diffusion/weights/."""
         if path is not None and is_diffusers_pipeline(path):
+            if json.loads((Path(path) / INDEX).read_text()).get("_class_name") == SD3_CLASS:
+                return cls(load_sd3_components(path, device=device), device=device)
             return cls(load_sd_components(path, device=device), device=device)
         return cls(load_diffusion(path, device=device), device=device)
 
@@ -66,7 +72,7 @@ class DiffusionPipeline:
 
     def size_error(self, height: int, width: int) -> tuple[str, str] | None:
         """(field, message) when the model does not serve height × width pixels, else None."""
-        f, limit = self.model.vae_scale_factor, self.model.max_pixels
+        f, limit = self.model.size_multiple or self.model.vae_scale_factor, self.model.max_pixels
         native_h, native_w = self.model.native_size
         if limit == native_h * native_w:
             if (height, width) != (native_h, native_w):
@@ -78,6 +84,12 @@ class DiffusionPipeline:
                 return field, f"must be a positive multiple of {f}, got {value}"
         if height * width > limit:
             return "width", f"width x height must be at most {limit} pixels for this model, got {width}x{height}"
+        return None
+
+    def option_error(self, scheduler: str | None) -> tuple[str, str] | None:
+        """(field, message) when this model cannot run the request's sampler, else None ("" or None: its own)."""
+        if self.model.flow is not None and scheduler not in (None, "", "euler"):
+            return "scheduler", f"this model samples with flow-match Euler only ('euler' or empty), got {scheduler!r}"
         return None
 
     def _validate(self, prompts: list[str], negative_prompts: list[str] | None, steps: int, guidance_scale: float,
@@ -102,7 +114,7 @@ class DiffusionPipeline:
             raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
         if not 0.0 <= eta <= 1.0:
             raise ValueError(f"eta must be in [0, 1], got {eta}")
-        problem = self.size_error(*size)
+        problem = self.size_error(*size) or self.option_error(scheduler)
         if problem is not None:
             raise ValueError(": ".join(problem))
 
@@ -170,9 +182,9 @@ class DiffusionPipeline:
         n = len(prompts)
         texts = list(prompts) + self._guidance_texts(n, negative_prompts, guidance, guidance_scale)
         # Every step reads the same text: each cross-attention projects it to keys and values once, not per step.
-        cache = ContextCache(self.encode_prompts(texts))  # (kN, T, D), k = 1, 2 or 3
+        cache = self.encode_context(texts)  # (kN, T, D), k = 1, 2 or 3
         generator = torch.Generator().manual_seed(resolve_seed(seed))
-        sampler = make_scheduler(scheduler, self.model.schedule(scheduler), eta=eta)
+        sampler = self.make_sampler(scheduler, eta, size)
         timesteps = sampler.set_timesteps(steps)
         # Noise is drawn on the CPU generator so a seed gives the same latents on every device.
         noise = torch.randn((n, *self.latent_shape_for(*size)), generator=generator)
@@ -180,7 +192,22 @@ class DiffusionPipeline:
         # Like the text, the timesteps are known before the first step: embed them all in one batch.
         tembs = self.model.unet.time_embed(timesteps.to(self.device), latents.dtype)  # (steps, temb_dim)
         return Denoising(latents, sampler, timesteps.to(self.device), tembs, cache, guidance, guidance_scale,
-                         negative_weight, generator, self.model.scaling_factor)
+                         negative_weight, generator, self.model.scaling_factor, shift_factor=self.model.shift_factor)
+
+    def encode_context(self, texts: list[str]) -> ContextCache:
+        """The denoiser's context for these texts: TextConditioning for a DiT, else the encoder's states."""
+        if self.model.conditioning is not None:
+            return self.model.conditioning(texts)
+        return ContextCache(self.encode_prompts(texts))
+
+    def make_sampler(self, scheduler: str, eta: float, size: tuple[int, int]):
+        """A fresh sampler: flow-match Euler for a flow model (its dynamic shift reads the image's token count),
+        else the named one under the model's noise schedule."""
+        if self.model.flow is not None:
+            _, h, w = self.latent_shape_for(*size)
+            patch = (self.model.size_multiple or self.model.vae_scale_factor) // self.model.vae_scale_factor
+            return FlowMatchEulerScheduler(self.model.flow, image_seq_len=(h // patch) * (w // patch))
+        return make_scheduler(scheduler, self.model.schedule(scheduler), eta=eta)
 
     @torch.inference_mode()
     def step(self, state: Denoising) -> None:
