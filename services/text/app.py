@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import jinja2
@@ -32,11 +33,82 @@ from genserve.services.text.engine.params import (
     Delta,
     SamplingParams,
 )
-from genserve.services.text.schema import KNOWN_ERRORS, PROMPT_BYTES_PER_TOKEN, ChatMessageIn, TextIn, TokenizeIn
+from genserve.services.text.schema import (
+    KNOWN_ERRORS,
+    PROMPT_BYTES_PER_TOKEN,
+    ChatMessageIn,
+    TextIn,
+    TokenizeIn,
+    check_conversation,
+)
 from genserve.services.text.settings import TextArgs
+from genserve.services.text.tools.formats import (
+    ToolSpec,
+    call_grammar,
+    check_schema,
+    generic_messages,
+    opens_thinking,
+    template_message,
+)
+from genserve.services.text.tools.parsers import StreamParser
+from genserve.services.text.tools.parsers import parse as parse_reply
 from genserve.v1 import text_pb2
 
 SERVICE = "genserve.v1.TextGeneration"
+# The engine's finish reasons after which a reply that made calls ends with "tool_calls", as OpenAI's do.
+CALL_ENDINGS = ("eos", "stop")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated request: its prompt, sampling, and how to read its reply (`tool_format` None: no calls)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    tool_format: str | None
+    reasoning: bool
+    thinking: bool
+
+    def new_call_id(self) -> str:
+        # Mistral's templates refuse any call id but 9 letters and digits.
+        return uuid.uuid4().hex[:9] if self.tool_format == "mistral" else f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _finish(reason: str, called: bool) -> str:
+    return "tool_calls" if called and reason in CALL_ENDINGS else reason
+
+
+def _render(tokenizer: Any, messages: list[ChatMessageIn], req: TextIn | None) -> str:
+    """The chat prompt: the template's own rendering of tools and tool turns, or the generic format's."""
+    dumped = [m.model_dump() for m in messages]
+    kwargs: dict[str, Any] = {}
+    if req is not None and req.enable_thinking is not None:
+        kwargs["enable_thinking"] = req.enable_thinking
+    if req is not None and req.reasoning_effort:
+        kwargs["reasoning_effort"] = req.reasoning_effort
+    tools = [ToolSpec(t.name, t.description, t.parameters_schema()) for t in (req.tools if req else ())]
+    mode = req.tool_mode if req is not None else "none"
+    if tokenizer.tool_format == "generic":
+        return tokenizer.apply_chat_template(generic_messages(dumped, tools, mode), **kwargs)
+    return tokenizer.apply_chat_template([template_message(m) for m in dumped],
+                                         tools=[t.schema() for t in tools] or None, **kwargs)
+
+
+def _tool_grammar(fmt: str, req: TextIn) -> str:
+    """The EBNF the reply follows under the request's tool_choice; a schema xgrammar cannot compile is named."""
+    if req.tool_mode == "none":
+        return ""
+    for i, tool in enumerate(req.tools):
+        try:
+            check_schema(tool.parameters_schema())
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise InvalidArgument(f"tools[{i}].parameters", f"the grammar engine cannot compile it: {exc}") from None
+    callable_tools = [ToolSpec(t.name, t.description, t.parameters_schema()) for t in req.tools
+                      if req.tool_mode != "function" or t.name == req.tool_name]
+    try:
+        return call_grammar(fmt, callable_tools, req.tool_mode, req.parallel_tool_calls)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise InvalidArgument("tools", f"the grammar engine cannot compile the calls: {exc}") from None
 
 
 def _logprob_messages(delta: Delta) -> list[text_pb2.TokenLogprob]:
@@ -67,27 +139,37 @@ class TextGeneration:
         threading.Thread(target=self.engine.engine.grammars.warm_up, name="genserve-grammar-warm-up",
                          daemon=True).start()
 
-    def _prompt_ids(self, prompt: str, messages: list[ChatMessageIn], field: str = "prompt") -> list[int]:
-        size = len(prompt.encode()) + sum(len(m.content.encode()) for m in messages)
+    def _prompt_ids(self, prompt: str, messages: list[ChatMessageIn], field: str = "prompt",
+                    req: TextIn | None = None) -> tuple[list[int], str]:
+        """The prompt's token ids and, for a chat, the rendered prompt text (tools and tool turns included)."""
+        tools = req.tools if req is not None else []
+        size = len(prompt.encode()) + sum(len(m.content.encode()) + sum(len(c.arguments) for c in m.tool_calls)
+                                          for m in messages) + sum(len(t.parameters) for t in tools)
         if size > self.max_prompt_bytes:
             raise InvalidArgument("messages" if messages else field,
                                   f"{size} bytes is more than this model's {self.engine.max_context}-token context "
                                   f"can hold (at most {self.max_prompt_bytes} bytes)")
         tokenizer = self.engine.tokenizer
         if not messages:
-            return tokenizer.encode(prompt)
+            return tokenizer.encode(prompt), ""
         try:
-            text = tokenizer.apply_chat_template([m.model_dump() for m in messages])
+            text = _render(tokenizer, messages, req)
         except (ValueError, jinja2.TemplateError) as exc:  # the template refused the conversation
             raise InvalidArgument("messages", str(exc)) from exc
-        return tokenizer.encode(text, add_special_tokens=False)
+        return tokenizer.encode(text, add_special_tokens=False), text
 
-    def _prepare(self, request: text_pb2.TextRequest) -> tuple[list[int], SamplingParams]:
+    def _prepare(self, request: text_pb2.TextRequest) -> Prepared:
         req = parse(TextIn, request)
-        prompt_ids = self._prompt_ids(req.prompt, req.messages)
+        check_conversation(req.messages)
+        prompt_ids, text = self._prompt_ids(req.prompt, req.messages, req=req)
         if not prompt_ids:
             raise InvalidArgument("prompt", "encodes to no tokens")
-        return prompt_ids, req.sampling_params(room=self.engine.max_context - len(prompt_ids))
+        tokenizer = self.engine.tokenizer
+        fmt = tokenizer.tool_format
+        grammar = _tool_grammar(fmt, req)
+        params = req.sampling_params(room=self.engine.max_context - len(prompt_ids), grammar=grammar)
+        return Prepared(prompt_ids, params, fmt if req.tool_mode != "none" else None, tokenizer.reasoning,
+                        tokenizer.reasoning and opens_thinking(text))
 
     async def _deltas(self, prompt_ids: list[int], params: SamplingParams, method: str) -> AsyncIterator[Delta]:
         """The engine's deltas as they come; closing this generator aborts the request in the engine."""
@@ -106,32 +188,43 @@ class TextGeneration:
 
     @unary(text_pb2.TextRequest, text_pb2.TextResponse)
     async def Generate(self, request: text_pb2.TextRequest) -> text_pb2.TextResponse:
-        prompt_ids, params = self._prepare(request)
-        reply = text_pb2.TextResponse(prompt_tokens=len(prompt_ids), seed=params.seed)
+        job = self._prepare(request)
+        reply = text_pb2.TextResponse(prompt_tokens=len(job.prompt_ids), seed=job.params.seed)
         texts: list[str] = []
-        async with contextlib.aclosing(self._deltas(prompt_ids, params, "Generate")) as deltas:
+        async with contextlib.aclosing(self._deltas(job.prompt_ids, job.params, "Generate")) as deltas:
             async for delta in deltas:
                 texts.append(delta.text)
                 reply.token_ids.extend(delta.token_ids)
                 reply.logprobs.extend(_logprob_messages(delta))
                 reply.finish_reason = delta.finish_reason or ""
-        reply.text = "".join(texts)
+        parsed = parse_reply("".join(texts), job.tool_format, reasoning=job.reasoning, thinking=job.thinking)
+        reply.text, reply.reasoning_content = parsed.content, parsed.reasoning
+        reply.tool_calls.extend(text_pb2.ToolCall(id=job.new_call_id(), name=c.name or "", arguments=c.arguments)
+                                for c in parsed.calls)
+        reply.finish_reason = _finish(reply.finish_reason, bool(parsed.calls))
         return reply
 
     @streaming(text_pb2.TextRequest)
     async def GenerateStream(self, request: text_pb2.TextRequest) -> AsyncIterator[text_pb2.TextChunk]:
-        prompt_ids, params = self._prepare(request)
-        async with contextlib.aclosing(self._deltas(prompt_ids, params, "GenerateStream")) as deltas:
+        job = self._prepare(request)
+        reader = StreamParser(job.tool_format, job.new_call_id, reasoning=job.reasoning, thinking=job.thinking)
+        async with contextlib.aclosing(self._deltas(job.prompt_ids, job.params, "GenerateStream")) as deltas:
             async for delta in deltas:
+                piece = reader.feed(delta.text, final=bool(delta.finish_reason))
                 yield text_pb2.TextChunk(
-                    text=delta.text, token_ids=delta.token_ids, finish_reason=delta.finish_reason or "",
-                    logprobs=_logprob_messages(delta), prompt_tokens=len(prompt_ids) if delta.finish_reason else 0,
+                    text=piece.content, token_ids=delta.token_ids,
+                    finish_reason=_finish(delta.finish_reason or "", bool(reader.ids)),
+                    logprobs=_logprob_messages(delta),
+                    prompt_tokens=len(job.prompt_ids) if delta.finish_reason else 0,
+                    reasoning_content=piece.reasoning,
+                    tool_calls=[text_pb2.ToolCallDelta(index=c.index, id=c.id, name=c.name, arguments=c.arguments)
+                                for c in piece.calls],
                 )
 
     @unary(text_pb2.TokenizeRequest, text_pb2.TokenizeResponse)
     async def Tokenize(self, request: text_pb2.TokenizeRequest) -> text_pb2.TokenizeResponse:
         req = parse(TokenizeIn, request)
-        ids = self._prompt_ids(req.text, req.messages, "text")
+        ids, _ = self._prompt_ids(req.text, req.messages, "text")
         decode = self.engine.tokenizer.decode
         return text_pb2.TokenizeResponse(token_ids=ids, tokens=[decode([i], skip_special_tokens=False) for i in ids])
 
@@ -141,7 +234,9 @@ class TextGeneration:
         self.metrics.kv_free_blocks(info["kv_blocks_free"])
         self.metrics.engine_totals(**dataclasses.asdict(self.engine.engine.counters()))
         fields = text_pb2.ModelInfo.DESCRIPTOR.fields_by_name
-        return text_pb2.ModelInfo(**{k: v for k, v in info.items() if k in fields})
+        tokenizer = self.engine.tokenizer
+        return text_pb2.ModelInfo(**{k: v for k, v in info.items() if k in fields},
+                                  tool_format=tokenizer.tool_format, reasoning=tokenizer.reasoning)
 
     def token_texts(self, token_ids: list[int]) -> dict[int, str]:
         """Each token's text decoded on its own, as Tokenize's `tokens` (a deployment-handle method for the HTTP

@@ -12,12 +12,14 @@ from typing import Any, Literal
 import grpc
 from pydantic import Field, ValidationInfo, field_validator
 
+from genserve.services.common.errors import InvalidArgument
 from genserve.services.common.validation import Request
 from genserve.services.text.engine.params import (
     MAX_LOGPROBS,
     MIN_REPETITION_PENALTY,
     MIN_TEMPERATURE,
     EngineOverloaded,
+    InvalidGrammar,
     InvalidJsonSchema,
     InvalidRegex,
     NoChatTemplate,
@@ -43,9 +45,78 @@ DEFAULT_MAX_TOKENS = 64
 DEFAULT_TEMPERATURE = 1.0
 
 
+MAX_TOOLS = 64
+MAX_TOOL_CALLS = 16
+TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+TOOL_CHOICES = ("", "auto", "none", "required", "function")
+REASONING_EFFORTS = ("", "low", "medium", "high")
+
+
+def _json_object(text: str, what: str) -> dict:
+    """`text` parsed as a JSON object, nesting at most MAX_SCHEMA_DEPTH deep; ValueError says what is wrong."""
+    try:
+        document = json.loads(text, parse_constant=_not_a_number, parse_float=_finite)
+    except RecursionError:
+        raise ValueError(f"nests deeper than {MAX_SCHEMA_DEPTH} levels") from None
+    except ValueError as exc:
+        raise ValueError(f"is not valid JSON ({exc})") from None
+    if not isinstance(document, dict):
+        raise ValueError(f"must be {what}")
+    if json_depth(document) > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"nests deeper than {MAX_SCHEMA_DEPTH} levels")
+    return document
+
+
+class ToolCallIn(Request):
+    id: str = Field(min_length=1, max_length=64)
+    name: str = Field(pattern=TOOL_NAME)
+    arguments: str = Field("{}", max_length=MAX_SCHEMA_CHARS)
+
+    @field_validator("arguments")
+    @classmethod
+    def _arguments_are_an_object(cls, arguments: str) -> str:
+        _json_object(arguments or "{}", "a JSON object")
+        return arguments
+
+
 class ChatMessageIn(Request):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: str
+    tool_calls: list[ToolCallIn] = Field(default_factory=list, max_length=MAX_TOOL_CALLS)
+    tool_call_id: str = Field("", max_length=64)
+    name: str = Field("", max_length=64)
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_on_assistant_turns(cls, calls: list[ToolCallIn], info: ValidationInfo) -> list[ToolCallIn]:
+        if calls and info.data.get("role") != "assistant":
+            raise ValueError("only assistant messages carry tool calls")
+        return calls
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_turns_answer_a_call(cls, call_id: str, info: ValidationInfo) -> str:
+        if info.data.get("role") == "tool" and not call_id:
+            raise ValueError("is required on a tool message (the id of the call it answers)")
+        return call_id
+
+
+class ToolIn(Request):
+    name: str = Field(pattern=TOOL_NAME)
+    description: str = Field("", max_length=MAX_SCHEMA_CHARS)
+    parameters: str = Field("", max_length=MAX_SCHEMA_CHARS)
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters_are_an_object_schema(cls, parameters: str) -> str:
+        if parameters:
+            schema = _json_object(parameters, "a JSON Schema object")
+            if schema.get("type", "object") != "object":
+                raise ValueError("must be a JSON Schema of type 'object' (a call's arguments are an object)")
+        return parameters
+
+    def parameters_schema(self) -> dict:
+        return json.loads(self.parameters) if self.parameters else {"type": "object", "properties": {}}
 
 
 def _not_a_number(constant: str) -> float:
@@ -98,6 +169,12 @@ class TextIn(Request):
     logprobs: int = Field(0, ge=0, le=MAX_LOGPROBS)
     json_schema: str = Field("", max_length=MAX_SCHEMA_CHARS)
     regex: str = Field("", max_length=MAX_REGEX_CHARS)
+    tools: list[ToolIn] = Field(default_factory=list, max_length=MAX_TOOLS)
+    tool_choice: str = ""
+    tool_name: str = ""
+    parallel_tool_calls: bool = True
+    enable_thinking: bool | None = None
+    reasoning_effort: str = ""
 
     @field_validator("temperature")
     @classmethod
@@ -110,16 +187,7 @@ class TextIn(Request):
     @classmethod
     def _schema_is_a_json_object(cls, schema: str) -> str:
         if schema:
-            try:
-                document = json.loads(schema, parse_constant=_not_a_number, parse_float=_finite)
-            except RecursionError:
-                raise ValueError(f"nests deeper than {MAX_SCHEMA_DEPTH} levels") from None
-            except ValueError as exc:
-                raise ValueError(f"is not valid JSON ({exc})") from None
-            if not isinstance(document, dict):
-                raise ValueError("must be a JSON Schema object")
-            if json_depth(document) > MAX_SCHEMA_DEPTH:
-                raise ValueError(f"nests deeper than {MAX_SCHEMA_DEPTH} levels")
+            _json_object(schema, "a JSON Schema object")
         return schema
 
     @field_validator("regex")
@@ -141,6 +209,51 @@ class TextIn(Request):
     def _one_source(cls, prompt: str, info: ValidationInfo) -> str:
         return _prompt_or_messages(prompt, info, "prompt")
 
+    @field_validator("tools")
+    @classmethod
+    def _tools_in_a_chat(cls, tools: list[ToolIn], info: ValidationInfo) -> list[ToolIn]:
+        if tools and not info.data.get("messages"):
+            raise ValueError("need messages (a chat), not a prompt")
+        names = [t.name for t in tools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"names must differ ({next(n for n in names if names.count(n) > 1)!r} repeats)")
+        if tools and (info.data.get("json_schema") or info.data.get("regex")):
+            raise ValueError("cannot be combined with json_schema or regex (a reply follows one grammar)")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _known_choice(cls, choice: str, info: ValidationInfo) -> str:
+        if choice not in TOOL_CHOICES:
+            raise ValueError(f"must be one of {', '.join(repr(c) for c in TOOL_CHOICES[1:])}")
+        if choice not in ("", "none") and not info.data.get("tools"):
+            raise ValueError(f"{choice!r} needs tools")
+        return choice
+
+    @field_validator("tool_name")
+    @classmethod
+    def _names_a_tool(cls, name: str, info: ValidationInfo) -> str:
+        named = info.data.get("tool_choice") == "function"
+        if named and name not in {t.name for t in info.data.get("tools") or ()}:
+            raise ValueError(f"{name!r} is not one of the request's tools")
+        if name and not named:
+            raise ValueError("is only read with tool_choice 'function'")
+        return name
+
+    @field_validator("reasoning_effort")
+    @classmethod
+    def _known_effort(cls, effort: str) -> str:
+        if effort not in REASONING_EFFORTS:
+            raise ValueError(f"must be one of {', '.join(repr(e) for e in REASONING_EFFORTS[1:])}")
+        return effort
+
+    @property
+    def tool_mode(self) -> str:
+        """The effective tool_choice: "none" without tools, "auto" when tools come without a choice."""
+        if not self.tools:
+            return "none"
+        return self.tool_choice or "auto"
+
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, stop: list[str]) -> list[str]:
@@ -148,15 +261,26 @@ class TextIn(Request):
             raise ValueError(f"each stop string must have 1..{MAX_STOP_CHARS} characters")
         return stop
 
-    def sampling_params(self, room: int) -> SamplingParams:
-        """`room`: tokens left in the context after the prompt; an unset max_tokens takes min(default, room)."""
+    def sampling_params(self, room: int, grammar: str = "") -> SamplingParams:
+        """`room`: tokens left in the context after the prompt; an unset max_tokens takes min(default, room);
+        `grammar`: the EBNF of the request's tool calls (services/text/tools/formats.py)."""
         max_tokens = self.max_tokens if self.max_tokens is not None else max(1, min(DEFAULT_MAX_TOKENS, room))
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=resolve_seed(self.seed), stop=tuple(self.stop),
-            logprobs=self.logprobs, json_schema=self.json_schema, regex=self.regex,
+            logprobs=self.logprobs, json_schema=self.json_schema, regex=self.regex, grammar=grammar,
         )
+
+
+def check_conversation(messages: list[ChatMessageIn]) -> None:
+    """Every tool message answers a call of an earlier assistant turn (InvalidArgument naming the message)."""
+    calls: dict[str, str] = {}
+    for i, message in enumerate(messages):
+        calls.update((c.id, c.name) for c in message.tool_calls)
+        if message.role == "tool" and message.tool_call_id not in calls:
+            raise InvalidArgument(f"messages[{i}].tool_call_id",
+                                  f"{message.tool_call_id!r} answers no tool call of an earlier assistant message")
 
 
 class TokenizeIn(Request):
@@ -174,6 +298,7 @@ KNOWN_ERRORS: dict[type[Exception], tuple[grpc.StatusCode, str | None]] = {
     PromptTooLong: (grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
     InvalidJsonSchema: (grpc.StatusCode.INVALID_ARGUMENT, "json_schema"),
     InvalidRegex: (grpc.StatusCode.INVALID_ARGUMENT, "regex"),
+    InvalidGrammar: (grpc.StatusCode.INVALID_ARGUMENT, "tools"),
     EngineOverloaded: (grpc.StatusCode.RESOURCE_EXHAUSTED, None),
     NoChatTemplate: (grpc.StatusCode.FAILED_PRECONDITION, "messages"),
 }

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 from genserve.services.text.engine.params import NoChatTemplate
 from genserve.services.text.gguf import GGUFCheckpoint, find_gguf
 from genserve.services.text.gguf_tokenizer import gguf_tokenizer
+from genserve.services.text.tools.formats import has_reasoning, tool_format
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
@@ -90,19 +91,36 @@ class TextTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` (``[{"role": ..., "content": ...}]``) with the checkpoint's jinja2 chat template."""
+    @property
+    def tool_format(self) -> str:
+        """How tools reach this model and its calls come back (services/text/tools/formats.py)."""
+        return tool_format(self.chat_template)
+
+    @property
+    def reasoning(self) -> bool:
+        """The template has a thinking section (<think>...</think>)."""
+        return has_reasoning(self.chat_template)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **template_kwargs: object) -> str:
+        """Render ``messages`` (``[{"role": ..., "content": ...}]``, with OpenAI's ``tool_calls`` / ``tool_call_id``
+        where set) with the checkpoint's jinja2 chat template. ``tools`` (OpenAI function schemas) and
+        ``template_kwargs`` (``enable_thinking``, ``reasoning_effort``) reach the template as transformers'
+        ``apply_chat_template`` passes them; ``tools=None`` leaves the variable undefined, as there."""
         if self._template is None:
             raise NoChatTemplate("this model has no chat template (chat_template.jinja, tokenizer_config.json or "
                                  "GGUF metadata); send a plain prompt instead of messages")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
+        extra = {"tools": tools} if tools is not None else {}
         return self._template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
+            **extra,
+            **template_kwargs,
         )
 
 
@@ -121,9 +139,17 @@ def find_chat_template(root: Path, tokenizer_config: dict, gguf_metadata: dict |
 def _environment() -> ImmutableSandboxedEnvironment:
     """The same environment settings transformers renders chat templates with, so templates behave alike."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    # transformers' tojson: json.dumps as is, keys in order and no HTML escaping (jinja2's own sorts the keys and
+    # escapes `<`, so tool schemas would render differently from the prompt the model was trained on).
+    env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_template_error
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
+
+
+def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise_template_error(message: str) -> None:

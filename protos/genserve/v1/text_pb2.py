@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16genserve/v1/text.proto\x12\x0bgenserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x89\x04\n\x0bTextRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.genserve.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\x05min_p\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\x05H\t\x88\x01\x01\x12\x13\n\x0bjson_schema\x18\x0e \x01(\t\x12\r\n\x05regex\x18\x0f \x01(\tB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.genserve.v1.TopLogprob\"\x98\x01\n\x0cTextResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.genserve.v1.TokenLogprob\x12\x0c\n\x04seed\x18\x06 \x01(\x03\"\x87\x01\n\tTextChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.genserve.v1.TokenLogprob\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\"K\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.genserve.v1.ChatMessage\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x12\n\x10ModelInfoRequest\"\xa7\x03\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x10\n\x08n_params\x18\x03 \x01(\x03\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x13\n\x0bmax_context\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x08 \x01(\x05\x12\x0e\n\x06runner\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x16\n\x0ekv_cache_bytes\x18\x0b \x01(\x03\x12\x12\n\nblock_size\x18\x0c \x01(\x05\x12\x1a\n\x12max_batched_tokens\x18\r \x01(\x05\x12\x13\n\x0bmax_running\x18\x0e \x01(\x05\x12\x15\n\rmax_lookahead\x18\x0f \x01(\x05\x12\x16\n\x0eprefix_caching\x18\x10 \x01(\x08\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x11 \x01(\x03\x12\x12\n\nmodel_path\x18\x12 \x01(\t\x12\x14\n\x0cquantization\x18\x13 \x01(\t2\xa7\x02\n\x0eTextGeneration\x12?\n\x08Generate\x12\x18.genserve.v1.TextRequest\x1a\x19.genserve.v1.TextResponse\x12\x44\n\x0eGenerateStream\x12\x18.genserve.v1.TextRequest\x1a\x16.genserve.v1.TextChunk0\x01\x12G\n\x08Tokenize\x12\x1c.genserve.v1.TokenizeRequest\x1a\x1d.genserve.v1.TokenizeResponse\x12\x45\n\x0cGetModelInfo\x12\x1d.genserve.v1.ModelInfoRequest\x1a\x16.genserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16genserve/v1/text.proto\x12\x0bgenserve.v1\"{\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12)\n\ntool_calls\x18\x03 \x03(\x0b\x32\x15.genserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xd9\x05\n\x0bTextRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.genserve.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\x05min_p\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\x05H\t\x88\x01\x01\x12\x13\n\x0bjson_schema\x18\x0e \x01(\t\x12\r\n\x05regex\x18\x0f \x01(\t\x12 \n\x05tools\x18\x10 \x03(\x0b\x32\x11.genserve.v1.Tool\x12\x13\n\x0btool_choice\x18\x11 \x01(\t\x12\x11\n\ttool_name\x18\x12 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x13 \x01(\x08H\n\x88\x01\x01\x12\x1c\n\x0f\x65nable_thinking\x18\x14 \x01(\x08H\x0b\x88\x01\x01\x12\x18\n\x10reasoning_effort\x18\x15 \x01(\tB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\x16\n\x14_parallel_tool_callsB\x12\n\x10_enable_thinking\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.genserve.v1.TopLogprob\"\xde\x01\n\x0cTextResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.genserve.v1.TokenLogprob\x12\x0c\n\x04seed\x18\x06 \x01(\x03\x12)\n\ntool_calls\x18\x07 \x03(\x0b\x32\x15.genserve.v1.ToolCall\x12\x19\n\x11reasoning_content\x18\x08 \x01(\t\"\xd2\x01\n\tTextChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.genserve.v1.TokenLogprob\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12.\n\ntool_calls\x18\x06 \x03(\x0b\x32\x1a.genserve.v1.ToolCallDelta\x12\x19\n\x11reasoning_content\x18\x07 \x01(\t\"K\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.genserve.v1.ChatMessage\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x12\n\x10ModelInfoRequest\"\xcf\x03\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x10\n\x08n_params\x18\x03 \x01(\x03\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x13\n\x0bmax_context\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x08 \x01(\x05\x12\x0e\n\x06runner\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x16\n\x0ekv_cache_bytes\x18\x0b \x01(\x03\x12\x12\n\nblock_size\x18\x0c \x01(\x05\x12\x1a\n\x12max_batched_tokens\x18\r \x01(\x05\x12\x13\n\x0bmax_running\x18\x0e \x01(\x05\x12\x15\n\rmax_lookahead\x18\x0f \x01(\x05\x12\x16\n\x0eprefix_caching\x18\x10 \x01(\x08\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x11 \x01(\x03\x12\x12\n\nmodel_path\x18\x12 \x01(\t\x12\x14\n\x0cquantization\x18\x13 \x01(\t\x12\x13\n\x0btool_format\x18\x14 \x01(\t\x12\x11\n\treasoning\x18\x15 \x01(\x08\x32\xa7\x02\n\x0eTextGeneration\x12?\n\x08Generate\x12\x18.genserve.v1.TextRequest\x1a\x19.genserve.v1.TextResponse\x12\x44\n\x0eGenerateStream\x12\x18.genserve.v1.TextRequest\x1a\x16.genserve.v1.TextChunk0\x01\x12G\n\x08Tokenize\x12\x1c.genserve.v1.TokenizeRequest\x1a\x1d.genserve.v1.TokenizeResponse\x12\x45\n\x0cGetModelInfo\x12\x1d.genserve.v1.ModelInfoRequest\x1a\x16.genserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,25 +32,31 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'genserve.v1.text_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CHATMESSAGE']._serialized_start=39
-  _globals['_CHATMESSAGE']._serialized_end=83
-  _globals['_TEXTREQUEST']._serialized_start=86
-  _globals['_TEXTREQUEST']._serialized_end=607
-  _globals['_TOPLOGPROB']._serialized_start=609
-  _globals['_TOPLOGPROB']._serialized_end=656
-  _globals['_TOKENLOGPROB']._serialized_start=658
-  _globals['_TOKENLOGPROB']._serialized_end=745
-  _globals['_TEXTRESPONSE']._serialized_start=748
-  _globals['_TEXTRESPONSE']._serialized_end=900
-  _globals['_TEXTCHUNK']._serialized_start=903
-  _globals['_TEXTCHUNK']._serialized_end=1038
-  _globals['_TOKENIZEREQUEST']._serialized_start=1040
-  _globals['_TOKENIZEREQUEST']._serialized_end=1115
-  _globals['_TOKENIZERESPONSE']._serialized_start=1117
-  _globals['_TOKENIZERESPONSE']._serialized_end=1170
-  _globals['_MODELINFOREQUEST']._serialized_start=1172
-  _globals['_MODELINFOREQUEST']._serialized_end=1190
-  _globals['_MODELINFO']._serialized_start=1193
-  _globals['_MODELINFO']._serialized_end=1616
-  _globals['_TEXTGENERATION']._serialized_start=1619
-  _globals['_TEXTGENERATION']._serialized_end=1914
+  _globals['_CHATMESSAGE']._serialized_end=162
+  _globals['_TOOL']._serialized_start=164
+  _globals['_TOOL']._serialized_end=225
+  _globals['_TOOLCALL']._serialized_start=227
+  _globals['_TOOLCALL']._serialized_end=282
+  _globals['_TOOLCALLDELTA']._serialized_start=284
+  _globals['_TOOLCALLDELTA']._serialized_end=359
+  _globals['_TEXTREQUEST']._serialized_start=362
+  _globals['_TEXTREQUEST']._serialized_end=1091
+  _globals['_TOPLOGPROB']._serialized_start=1093
+  _globals['_TOPLOGPROB']._serialized_end=1140
+  _globals['_TOKENLOGPROB']._serialized_start=1142
+  _globals['_TOKENLOGPROB']._serialized_end=1229
+  _globals['_TEXTRESPONSE']._serialized_start=1232
+  _globals['_TEXTRESPONSE']._serialized_end=1454
+  _globals['_TEXTCHUNK']._serialized_start=1457
+  _globals['_TEXTCHUNK']._serialized_end=1667
+  _globals['_TOKENIZEREQUEST']._serialized_start=1669
+  _globals['_TOKENIZEREQUEST']._serialized_end=1744
+  _globals['_TOKENIZERESPONSE']._serialized_start=1746
+  _globals['_TOKENIZERESPONSE']._serialized_end=1799
+  _globals['_MODELINFOREQUEST']._serialized_start=1801
+  _globals['_MODELINFOREQUEST']._serialized_end=1819
+  _globals['_MODELINFO']._serialized_start=1822
+  _globals['_MODELINFO']._serialized_end=2285
+  _globals['_TEXTGENERATION']._serialized_start=2288
+  _globals['_TEXTGENERATION']._serialized_end=2583
 # @@protoc_insertion_point(module_scope)

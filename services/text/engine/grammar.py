@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from genserve.services.text.engine.params import InvalidJsonSchema, InvalidRegex, SamplingParams
+from genserve.services.text.engine.params import InvalidGrammar, InvalidJsonSchema, InvalidRegex, SamplingParams
 
 BITS = 32  # tokens per bitmask word
 # A compiled grammar's token-mask cache can grow large for big schemas; xgrammar evicts past this many bytes.
@@ -124,8 +124,8 @@ class GrammarCompiler:
         self._get()
 
     def compile(self, params: SamplingParams) -> Grammar | None:
-        """A fresh matcher for ``params``' grammar, None when it has none; raises InvalidJsonSchema / InvalidRegex
-        with xgrammar's reason."""
+        """A fresh matcher for ``params``' grammar, None when it has none; raises InvalidJsonSchema / InvalidRegex /
+        InvalidGrammar with xgrammar's reason."""
         if params.json_schema:
             try:
                 compiled = self._get().compile_grammar(json_grammar(params.json_schema))
@@ -136,6 +136,11 @@ class GrammarCompiler:
                 compiled = self._get().compile_regex(params.regex)
             except (RuntimeError, ValueError, TypeError) as exc:
                 raise InvalidRegex(_clean(exc)) from None
+        elif params.grammar:
+            try:
+                compiled = self._get().compile_grammar(params.grammar)
+            except (RuntimeError, ValueError, TypeError) as exc:
+                raise InvalidGrammar(_clean(exc)) from None
         else:
             return None
         return Grammar(compiled, self.stop_ids, self.vocab_size)

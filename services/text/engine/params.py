@@ -28,6 +28,10 @@ class InvalidJsonSchema(ValueError):
     """``json_schema`` is not a JSON Schema the grammar engine can compile."""
 
 
+class InvalidGrammar(ValueError):
+    """``grammar`` (the EBNF of a request's tool calls, services/text/tools/formats.py) does not compile."""
+
+
 class InvalidRegex(ValueError):
     """``regex`` is not a regular expression the grammar engine can compile."""
 
@@ -40,7 +44,8 @@ class NoChatTemplate(RuntimeError):
 class SamplingParams:
     """Per-request decoding options. ``temperature=0`` means greedy; ``top_k=0`` and ``top_p=1`` disable those
     filters; penalties follow the CTRL paper (repetition) and the OpenAI API (presence/frequency). ``json_schema``
-    or ``regex`` (at most one) constrains the output to a grammar (engine/grammar.py)."""
+    or ``regex`` or ``grammar`` (EBNF; at most one of the three) constrains the output to a grammar
+    (engine/grammar.py)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -55,6 +60,7 @@ class SamplingParams:
     logprobs: int = 0
     json_schema: str = ""
     regex: str = ""
+    grammar: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -81,10 +87,12 @@ class SamplingParams:
         _check(isinstance(self.json_schema, str) and isinstance(self.regex, str), "json_schema",
                "and regex must be strings")
         _check(not (self.json_schema and self.regex), "regex", "give at most one of json_schema and regex")
+        _check(isinstance(self.grammar, str) and not (self.grammar and (self.json_schema or self.regex)), "grammar",
+               "must be a string, and not given with json_schema or regex")
 
     @property
     def structured(self) -> bool:
-        return bool(self.json_schema or self.regex)
+        return bool(self.json_schema or self.regex or self.grammar)
 
     @property
     def greedy(self) -> bool:
