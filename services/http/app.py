@@ -41,7 +41,7 @@ from genserve.services.common.gate import Gate, Ticket
 from genserve.services.common.rate_limit import RateLimits
 from genserve.services.common.ray_adapter import serve_request_id
 from genserve.services.diffusion.schema import KNOWN_ERRORS as IMAGE_ERRORS
-from genserve.services.http import images, text
+from genserve.services.http import images, playground_api, text
 from genserve.services.http.errors import ModelNotFound, describe, error_body, error_response, refusal, to_error
 from genserve.services.http.schemas import MAX_BODY_BYTES, ChatBody, CompletionBody, ImageBody
 from genserve.services.http.streams import batches, merge
@@ -133,6 +133,7 @@ api = FastAPI(title="genserve OpenAI-compatible API", version="1",
               docs_url=None, redoc_url=None)
 api.add_middleware(BodyLimit)
 api.add_middleware(DrainGate)
+api.include_router(playground_api.router)  # the browser playground at /
 
 
 def _request_id() -> str:
@@ -180,6 +181,7 @@ class OpenAIApi:
         self.created = int(time.time())
         self._handles: dict[str, Any] = {}
         self._image_size: tuple[int, int] | None = None
+        self.playground = playground_api.Playground(self._handle)
 
     def _handle(self, app: str) -> Any:
         if app not in self._handles:
@@ -205,8 +207,10 @@ class OpenAIApi:
     async def models(self, request: Request) -> dict[str, Any]:
         self._admit(request)
         info = await self._handle("text").GetModelInfo.remote(text_pb2.ModelInfoRequest())
-        return {"object": "list", "data": [_model_entry(TEXT_MODEL, self.created, info.model_name),
-                                           _model_entry(IMAGE_MODEL, self.created, IMAGE_MODEL)]}
+        # tool_format: how the text model takes tools (its template's family, or "generic"); reasoning: it thinks.
+        text_entry = _model_entry(TEXT_MODEL, self.created, info.model_name) | {"tool_format": info.tool_format,
+                                                                                "reasoning": info.reasoning}
+        return {"object": "list", "data": [text_entry, _model_entry(IMAGE_MODEL, self.created, IMAGE_MODEL)]}
 
     @api.post("/v1/completions", responses=ERRORS)
     async def completions(self, body: CompletionBody, request: Request) -> Response:
@@ -316,6 +320,38 @@ class OpenAIApi:
             raise
         ticket.charge(reply)
         return JSONResponse(images.images_reply(reply))
+
+    # ---- the browser playground's calls (services/http/playground_api.py) -----------------------------------------
+    @api.get("/api/settings", include_in_schema=False)
+    async def playground_settings(self, request: Request) -> dict[str, Any]:
+        self._admit(request)
+        return playground_api.settings()
+
+    @api.get("/api/models", include_in_schema=False)
+    async def playground_models(self, request: Request) -> dict[str, Any]:
+        self._admit(request)
+        return await self.playground.models()
+
+    @api.post("/api/images/stream", include_in_schema=False)
+    async def playground_images(self, body: playground_api.ImageStreamBody, request: Request) -> Response:
+        ticket = self._admit(request)
+        work = self.playground.image_stream(body, ticket, _request_id)
+        return await self._respond(work, images.FIELDS, IMAGE_ERRORS)
+
+    @api.post("/api/gan/samples", include_in_schema=False)
+    async def playground_gan(self, body: playground_api.GanSamplesBody, request: Request) -> Response:
+        ticket = self._admit(request)
+        return await self._respond(self.playground.gan_samples(body, ticket), playground_api.GAN_FIELDS, {})
+
+    @api.post("/api/gan/walk", include_in_schema=False)
+    async def playground_gan_walk(self, body: playground_api.GanWalkBody, request: Request) -> Response:
+        ticket = self._admit(request)
+        return await self._respond(self.playground.gan_walk(body, ticket), {}, {})
+
+    @api.post("/api/vae/reconstruct", include_in_schema=False)
+    async def playground_vae(self, body: playground_api.VaeBody, request: Request) -> Response:
+        ticket = self._admit(request)
+        return await self._respond(self.playground.vae_reconstruct(body, ticket), playground_api.VAE_FIELDS, {})
 
 
 def build(args: dict[str, Any] | None = None) -> Application:

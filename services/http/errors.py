@@ -8,6 +8,7 @@ field as the client spelled it (`fields` maps the gRPC schema's names, e.g. Text
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -73,9 +74,18 @@ def _internal_field(exc: BaseException, known: Mapping[type[BaseException], tupl
 
 
 def rename(path: str | None, fields: Mapping[str, str]) -> str | None:
-    """`messages[0].content` stays; `logprobs` becomes `top_logprobs` when `fields` says so."""
+    """`messages[0].content` stays; `logprobs` becomes `top_logprobs` when `fields` says so; a key with "[]" maps
+    a prefix at any indices (`tools[].` -> `tools[].function.` turns `tools[2].parameters` into
+    `tools[2].function.parameters`)."""
     if path is None:
         return None
+    for internal, public in fields.items():
+        if "[]" in internal:
+            found = re.match(re.escape(internal).replace(r"\[\]", r"\[(\d+)\]"), path)
+            if found:
+                parts = public.split("[]")
+                named = "".join(part + f"[{index}]" for part, index in zip(parts, found.groups(), strict=False))
+                return named + parts[-1] + path[found.end():]
     head, sep, rest = path.partition(".")
     bracket = head.find("[")
     if bracket > 0:

@@ -62,11 +62,51 @@ class TextPart(Body):
     text: str
 
 
+class FunctionCall(Body):
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+
+
+class ChatToolCall(Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Body):
     # "developer" is OpenAI's newer name for the system role.
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # null on an assistant turn that only calls tools
     name: str | None = None
+    tool_calls: list[ChatToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema object; absent: no arguments
+    strict: bool | None = None  # calls always follow the schema here (a grammar), strict or not
+
+
+class ChatTool(Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Body):
+    name: str
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class TemplateKwargs(Body):
+    """Chat-template switches (vLLM's `chat_template_kwargs`, sent with the SDK's extra_body)."""
+
+    enable_thinking: bool | None = None
 
 
 class Sampling(Body):
@@ -98,6 +138,11 @@ class ChatBody(Sampling):
     max_completion_tokens: int | None = bounds(TextIn, "max_tokens")
     logprobs: bool = False
     top_logprobs: int | None = bounds(TextIn, "logprobs")
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
 
 
 class ImageBody(Body):

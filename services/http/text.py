@@ -21,7 +21,8 @@ from genserve.shared.seeds import MAX_SEED
 from genserve.v1 import text_pb2
 
 # The engine's finish reasons in OpenAI's words.
-FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length", "context_length": "length"}
+FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length", "context_length": "length",
+                 "tool_calls": "tool_calls"}
 # Token id -> its text, decoded on its own (the text service's token_texts).
 TokenTexts = Mapping[int, str]
 
@@ -37,10 +38,12 @@ class TextJob:
 
 
 def body_fields(body: ChatBody | CompletionBody) -> dict[str, str]:
-    """The body's names for TextIn's fields, for the `param` of an error."""
+    """The body's names for TextIn's fields, for the `param` of an error ("[]" stands for any index)."""
     fields = {"json_schema": "response_format", "regex": "response_format"}
     if isinstance(body, ChatBody):
-        fields["logprobs"] = "top_logprobs"
+        fields |= {"logprobs": "top_logprobs", "tool_name": "tool_choice", "tools[].": "tools[].function.",
+                   "messages[].tool_calls[].": "messages[].tool_calls[].function.",
+                   "enable_thinking": "chat_template_kwargs.enable_thinking"}
         if body.max_completion_tokens is not None:
             fields["max_tokens"] = "max_completion_tokens"
     return fields
@@ -90,21 +93,58 @@ def _logprobs_in(top: int | None, asked: bool) -> int | None:
 
 
 def _content(message: ChatMessage) -> str:
-    if isinstance(message.content, str):
-        return message.content
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
     return "".join(part.text for part in message.content)
+
+
+def _message(message: ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
+                           "content": _content(message)}
+    if message.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                             for c in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.role == "tool" and message.name:
+        out["name"] = message.name
+    return out
+
+
+def tool_fields(tools: list[dict[str, Any]] | None, choice: str | None, name: str | None,
+                parallel: bool | None) -> dict[str, Any]:
+    """TextRequest's tool fields: `tools` as [{name, description, parameters (a dict or None)}]; `choice` "none",
+    "auto", "required" or "function" (then `name`)."""
+    out: dict[str, Any] = {}
+    if tools:
+        out["tools"] = [{"name": t["name"], "description": t.get("description") or "",
+                         "parameters": json.dumps(t["parameters"]) if t.get("parameters") is not None else ""}
+                        for t in tools]
+    if choice:
+        out["tool_choice"] = choice
+    if name:
+        out["tool_name"] = name
+    if parallel is not None:
+        out["parallel_tool_calls"] = parallel
+    return out
 
 
 def chat_job(body: ChatBody) -> TextJob:
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidArgument("top_logprobs", "needs logprobs: true")
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": _content(m)}
-        for m in body.messages
-    ]
+    source: dict[str, Any] = {"messages": [_message(m) for m in body.messages]}
+    choice = body.tool_choice
+    named = choice if choice is not None and not isinstance(choice, str) else None
+    source |= tool_fields([t.function.model_dump() for t in body.tools or []],
+                          "function" if named else choice, named.function.name if named else None,
+                          body.parallel_tool_calls)
+    if body.reasoning_effort:
+        source["reasoning_effort"] = body.reasoning_effort
+    if body.chat_template_kwargs and body.chat_template_kwargs.enable_thinking is not None:
+        source["enable_thinking"] = body.chat_template_kwargs.enable_thinking
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     sampling = _sampling(body, max_tokens, _logprobs_in(body.top_logprobs, body.logprobs))
-    return TextJob(_requests([{"messages": messages}], sampling, body.n), body.n,
+    return TextJob(_requests([source], sampling, body.n), body.n,
                    (body.top_logprobs or 0) if body.logprobs else None)
 
 
@@ -172,11 +212,25 @@ def prompt_tokens(job: TextJob, counts: Iterable[int]) -> int:
     return sum(list(counts)[:: job.n])
 
 
+def tool_calls(calls: Iterable[text_pb2.ToolCall]) -> list[dict[str, Any]]:
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+
+
+def chat_message(reply: text_pb2.TextResponse) -> dict[str, Any]:
+    """The assistant's message: content null when it only called tools, as OpenAI's."""
+    message: dict[str, Any] = {"role": "assistant", "content": reply.text or (None if reply.tool_calls else "")}
+    if reply.reasoning_content:
+        message["reasoning_content"] = reply.reasoning_content
+    if reply.tool_calls:
+        message["tool_calls"] = tool_calls(reply.tool_calls)
+    return message
+
+
 def chat_reply(model: str, job: TextJob, replies: list[text_pb2.TextResponse], texts: TokenTexts) -> dict[str, Any]:
     choices = [
         {
             "index": i,
-            "message": {"role": "assistant", "content": r.text},
+            "message": chat_message(r),
             "logprobs": chat_logprobs(r.logprobs, job.top_logprobs, texts) if job.top_logprobs is not None else None,
             "finish_reason": finish_reason(r.finish_reason),
         }
@@ -242,7 +296,7 @@ class ChunkWriter:
         top = self.job.top_logprobs
         choice: dict[str, Any] = {"index": index}
         if self.chat:
-            choice["delta"] = {"content": chunk.text} if chunk.text or not chunk.finish_reason else {}
+            choice["delta"] = chat_delta(chunk)
             choice["logprobs"] = chat_logprobs(chunk.logprobs, top, texts) if top is not None else None
         else:
             choice["text"] = chunk.text
@@ -257,6 +311,23 @@ class ChunkWriter:
         out = self._chunk([])
         out["usage"] = usage(prompt_tokens(self.job, self.prompt_lengths), self.completion_tokens)
         return out
+
+
+def chat_delta(chunk: text_pb2.TextChunk) -> dict[str, Any]:
+    """A chunk's `delta`: content, reasoning_content and tool-call pieces (a call's first piece carries its id, type
+    and name, later ones only more arguments, as OpenAI streams them)."""
+    delta: dict[str, Any] = {}
+    if chunk.text or not (chunk.finish_reason or chunk.tool_calls or chunk.reasoning_content):
+        delta["content"] = chunk.text
+    if chunk.reasoning_content:
+        delta["reasoning_content"] = chunk.reasoning_content
+    if chunk.tool_calls:
+        delta["tool_calls"] = [
+            {"index": c.index, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            if c.id else {"index": c.index, "function": {"arguments": c.arguments}}
+            for c in chunk.tool_calls
+        ]
+    return delta
 
 
 def sse(data: dict[str, Any] | str) -> bytes:
