@@ -11,8 +11,11 @@ STAMP := $(VENV)/.installed
 export RAY_USAGE_STATS_ENABLED := 0
 export RAY_AUTH_MODE := disabled
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+# The playground's browser tests drive Debian's Chromium (`make browser`); Playwright never fetches a browser build.
+export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD := 1
+CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: setup serve test lint protos load gpu-check gpu-prepare default-model fuzz-http fuzz soak
+.PHONY: setup serve test lint protos load gpu-check gpu-prepare default-model fuzz-http fuzz soak browser screenshots
 
 setup: $(STAMP)
 
@@ -34,9 +37,21 @@ serve: $(STAMP) default-model
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-test: $(STAMP) default-model
+test: $(STAMP) default-model browser
 	$(VENV)/bin/ruff check .
 	$(PY) -P -m pytest -q
+
+# Debian's Chromium for the playground's browser tests (tests/e2e/test_e2e_playground.py), installed with apt where
+# it is missing; CI runs as root.
+browser:
+	@test -x $(CHROMIUM) || { test "$$(id -u)" = 0 || { echo "make browser: $(CHROMIUM) is missing; as root: \
+		apt-get install -y chromium" >&2; exit 1; }; apt-get install -y -q chromium || \
+		{ apt-get update -q && apt-get install -y -q chromium; }; }
+
+# The playground's screenshots (docs/img/playground-*.png: each tab at 1280 px and at 375 px), taken by its browser
+# tests on a fresh local stack.
+screenshots: $(STAMP) browser
+	GENSERVE_SCREENSHOTS=1 $(PY) -P -m pytest -q tests/e2e/test_e2e_playground.py
 
 protos: $(STAMP)
 	$(PY) protos/generate.py

@@ -1,0 +1,81 @@
+"""What the playground's browser tests share: Debian's Chromium driven by Playwright, a page per test, screenshots.
+
+Chromium is Debian's package (`make browser` installs it); Playwright is pointed at it and never downloads a
+browser. Screenshots (docs/img/playground-*.png) are written only when GENSERVE_SCREENSHOTS=1 (`make screenshots`),
+so `make test` leaves the checkout as it was.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = Path(os.environ.get("GENSERVE_CHROMIUM", "/usr/bin/chromium"))
+SHOTS = ROOT / "docs" / "img"
+DESKTOP, PHONE = {"width": 1280, "height": 860}, {"width": 375, "height": 760}
+TIMEOUT_MS = 30_000
+
+
+@contextmanager
+def chromium() -> Iterator[Any]:
+    """One headless Chromium (Debian's) for a test module."""
+    if not CHROMIUM.is_file():
+        pytest.fail(f"{CHROMIUM} is missing: `make browser` installs Debian's chromium (as root: apt-get install -y "
+                    "chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as driver:
+        browser = driver.chromium.launch(executable_path=str(CHROMIUM), headless=True,
+                                         args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@contextmanager
+def page_at(browser: Any, url: str, viewport: dict[str, int] = DESKTOP) -> Iterator[Any]:
+    """A fresh page (its own storage) at `url`, once the page has read the server's settings; page errors fail."""
+    context = browser.new_context(viewport=viewport)
+    context.set_default_timeout(TIMEOUT_MS)
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    try:
+        page.goto(url)
+        yield page
+        assert not errors, f"errors in the page: {errors}"
+    finally:
+        context.close()
+
+
+def wait_ready(page: Any) -> None:
+    page.wait_for_selector("body[data-ready=true]")
+
+
+def screenshots_wanted() -> bool:
+    return os.environ.get("GENSERVE_SCREENSHOTS") == "1"
+
+
+def screenshot(page: Any, name: str) -> None:
+    """docs/img/playground-<name>-{desktop,375}.png of the page as it is, when GENSERVE_SCREENSHOTS=1."""
+    if not screenshots_wanted():
+        return
+    for label, size in (("desktop", DESKTOP), ("375", PHONE)):
+        page.set_viewport_size(size)
+        page.wait_for_timeout(150)  # one layout pass at the new width
+        page.screenshot(path=str(SHOTS / f"playground-{name}-{label}.png"), full_page=True)
+    page.set_viewport_size(DESKTOP)
+
+
+def ask(page: Any, text: str) -> None:
+    """Types `text` into the chat box and sends it; returns once the answer has finished (Send enabled again)."""
+    page.get_by_role("textbox", name="Message").fill(text)
+    page.get_by_role("button", name="Send").click()
+    page.wait_for_selector(".message.assistant:last-child:not([data-state=streaming])")
