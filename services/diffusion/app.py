@@ -6,7 +6,8 @@ passes share one U-Net call per step, and each reports its own steps through a q
 (and optional previews) while the loop runs. The loop's row budget and first wait are serve-config args
 (`max_step_rows`, `batch_wait_s`, docs/deploy.md). The final latents go to the `vae` application's
 `Decode` through a deployment handle as raw bytes with dtype and shape, the same Tensor message a gRPC client
-sends. The model is the committed demo or a Stable-Diffusion-format diffusers folder (GENSERVE_DIFFUSION_MODEL).
+sends. The model is the committed demo or a Stable-Diffusion- or SD3-format diffusers folder
+(GENSERVE_DIFFUSION_MODEL).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class Diffusion:
         """Progress and preview events while the loop runs in a thread, then the decoded images (last event)."""
         req = parse(DiffusionIn, request)
         height, width = req.height or self.pipe.model.native_size[0], req.width or self.pipe.model.native_size[1]
-        problem = self.pipe.size_error(height, width)
+        problem = self.pipe.size_error(height, width) or self.pipe.option_error(req.scheduler)
         if problem is not None:
             raise InvalidArgument(*problem)
         if req.preview_every and self.pipe.model.preview is None:

@@ -38,7 +38,8 @@ class DiffusionComponents:
     default_scheduler: str = "ddim"
     # "demo": w = 1 runs the conditional half only, w = 0 the unconditional; "diffusers": guidance only for w > 1,
     # as StableDiffusionPipeline does (its do_classifier_free_guidance).
-    guidance: Literal["demo", "diffusers"] = "demo"
+    # "embedded": a guidance-distilled model (Flux) reads the scale as an input; one pass, never a second.
+    guidance: Literal["demo", "diffusers", "embedded"] = "demo"
     # The guidance mode (services/diffusion/guidance.py) a request without one gets; "cfg" is diffusers' own.
     default_guidance: Literal["cfg", "perp_neg"] = "cfg"
     # Perp-Neg's w_n when a request sets none (1 is the paper's; the demo model's is measured, docs/models.md).
@@ -52,11 +53,14 @@ class DiffusionComponents:
     conditioning: Callable[[list[str]], ContextCache] | None = None
     # A flow-matching model (SD3, Flux) samples with flow-match Euler under this config, and only with it.
     flow: FlowMatchConfig | None = None
+    flow_spacing: str = "default"  # "linspace" for Flux (services/diffusion/flow_match.py)
     # Image sides must be multiples of this (SD3: the VAE's 8 × the 2×2 patches); None: vae_scale_factor.
     size_multiple: int | None = None
 
     def uses_guidance(self, guidance_scale: float) -> bool:
         """Whether a step runs the unconditional half next to the conditional one."""
+        if self.guidance == "embedded":
+            return False
         if self.guidance == "diffusers":
             return guidance_scale > 1.0
         return guidance_scale != 1.0

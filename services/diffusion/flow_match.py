@@ -24,6 +24,7 @@ import torch
 from genserve.shared.checkpoint import supported
 
 CLASS_NAME = "FlowMatchEulerDiscreteScheduler"
+SPACINGS = ("default", "linspace")
 _OFF = (False,)
 # Options diffusers has that this sampler does not implement: refused by name when a folder turns them on.
 _FIXED = {"invert_sigmas": _OFF, "shift_terminal": (None,), "use_karras_sigmas": _OFF, "use_exponential_sigmas": _OFF,
@@ -69,10 +70,12 @@ class FlowMatchEulerScheduler:
     """The samplers' interface (services/diffusion/schedulers/__init__.py) over σ from 1 to 0: ``set_timesteps``,
     ``init_noise_sigma`` (1: the first sample is pure noise), ``scale_model_input`` (the identity), ``step``."""
 
-    def __init__(self, config: FlowMatchConfig, image_seq_len: int = 256, sigmas: list[float] | None = None) -> None:
+    def __init__(self, config: FlowMatchConfig, image_seq_len: int = 256, spacing: str = "default") -> None:
+        if spacing not in SPACINGS:
+            raise ValueError(f"spacing must be one of {SPACINGS}, got {spacing!r}")
         self.config = config
         self.image_seq_len = image_seq_len
-        self.custom_sigmas = sigmas  # Flux's pipeline passes linspace(1, 1/n, n) instead of the default spacing
+        self.spacing = spacing  # "linspace": σ = linspace(1, 1/n, n) before shifting, as FluxPipeline passes them
         self.set_timesteps(10)
 
     def _shift(self, sigmas: np.ndarray) -> np.ndarray:
@@ -85,9 +88,8 @@ class FlowMatchEulerScheduler:
     def set_timesteps(self, num_steps: int) -> torch.Tensor:
         """σ_0 > … > σ_{n−1} shifted, then σ_n = 0; the timesteps are 1000 σ_i (float32, as diffusers')."""
         c, n = self.config, num_steps
-        if self.custom_sigmas is not None:
-            sigmas = np.asarray(self.custom_sigmas if len(self.custom_sigmas) == n else np.linspace(1.0, 1 / n, n),
-                                dtype=np.float32)
+        if self.spacing == "linspace":
+            sigmas = np.linspace(1.0, 1 / n, n).astype(np.float32)
         else:
             # The training table's ends, shifted as diffusers' __init__ shifts them (static shift only).
             table = np.linspace(1, c.num_train_timesteps, c.num_train_timesteps, dtype=np.float32)[::-1] / \

@@ -21,6 +21,8 @@ import torch
 from genserve.services.diffusion.components import DiffusionComponents
 from genserve.services.diffusion.denoising import Denoising
 from genserve.services.diffusion.flow_match import FlowMatchEulerScheduler
+from genserve.services.diffusion.flux_folder import PIPELINE_CLASS as FLUX_CLASS
+from genserve.services.diffusion.flux_folder import load_flux_components
 from genserve.services.diffusion.guidance import combine
 from genserve.services.diffusion.model import LatentDiffusion, load_diffusion
 from genserve.services.diffusion.params import (
@@ -53,12 +55,12 @@ class DiffusionPipeline:
 
     @classmethod
     def from_dir(cls, path: str | Path | None = None, device: str | torch.device = "cpu") -> DiffusionPipeline:
-        """Load a checkpoint directory: a diffusers Stable Diffusion or SD3 folder (it has model_index.json) or our
-        own format; None -> services/diffusion/weights/."""
+        """Load a checkpoint directory: a diffusers Stable Diffusion, SD3 or Flux folder (it has model_index.json)
+        or our own format; None -> services/diffusion/weights/."""
         if path is not None and is_diffusers_pipeline(path):
-            if json.loads((Path(path) / INDEX).read_text()).get("_class_name") == SD3_CLASS:
-                return cls(load_sd3_components(path, device=device), device=device)
-            return cls(load_sd_components(path, device=device), device=device)
+            loaders = {SD3_CLASS: load_sd3_components, FLUX_CLASS: load_flux_components}
+            loader = loaders.get(json.loads((Path(path) / INDEX).read_text()).get("_class_name"), load_sd_components)
+            return cls(loader(path, device=device), device=device)
         return cls(load_diffusion(path, device=device), device=device)
 
     @property
@@ -183,6 +185,8 @@ class DiffusionPipeline:
         texts = list(prompts) + self._guidance_texts(n, negative_prompts, guidance, guidance_scale)
         # Every step reads the same text: each cross-attention projects it to keys and values once, not per step.
         cache = self.encode_context(texts)  # (kN, T, D), k = 1, 2 or 3
+        if self.model.guidance == "embedded":  # Flux: the scale is the transformer's input, per row
+            cache.guidance = torch.full((n,), float(guidance_scale), device=self.device)
         generator = torch.Generator().manual_seed(resolve_seed(seed))
         sampler = self.make_sampler(scheduler, eta, size)
         timesteps = sampler.set_timesteps(steps)
@@ -206,7 +210,8 @@ class DiffusionPipeline:
         if self.model.flow is not None:
             _, h, w = self.latent_shape_for(*size)
             patch = (self.model.size_multiple or self.model.vae_scale_factor) // self.model.vae_scale_factor
-            return FlowMatchEulerScheduler(self.model.flow, image_seq_len=(h // patch) * (w // patch))
+            return FlowMatchEulerScheduler(self.model.flow, image_seq_len=(h // patch) * (w // patch),
+                                           spacing=self.model.flow_spacing)
         return make_scheduler(scheduler, self.model.schedule(scheduler), eta=eta)
 
     @torch.inference_mode()

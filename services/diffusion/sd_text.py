@@ -67,10 +67,12 @@ class CLIPWithProjection(nn.Module):
     """ids (B, T) -> (hidden states after layer ``n_layers − 1 − skip`` (B, T, dim), no final norm; pooled
     (B, projection_dim)): the final-normed state at the first end-of-text token, times ``text_projection``."""
 
-    def __init__(self, config: CLIPTextConfig, projection_dim: int, eos_token_id: int) -> None:
+    def __init__(self, config: CLIPTextConfig, projection_dim: int | None, eos_token_id: int) -> None:
         super().__init__()
         self.model = CLIPTextTransformer(config)
-        self.text_projection = nn.Linear(config.dim, projection_dim, bias=False)
+        # None: a plain CLIPTextModel, whose pooled output is the unprojected state (Flux reads that)
+        self.text_projection = nn.Identity() if projection_dim is None else \
+            nn.Linear(config.dim, projection_dim, bias=False)
         self.eos_token_id = eos_token_id
 
     @property
@@ -92,16 +94,19 @@ class CLIPWithProjection(nn.Module):
         return penultimate, self.text_projection(pooled)
 
 
-def load_clip_with_projection(directory: str | Path, device: str | torch.device = "cpu") -> CLIPWithProjection:
+def load_clip_with_projection(directory: str | Path, device: str | torch.device = "cpu",
+                              class_name: str = PROJECTION_CLASS) -> CLIPWithProjection:
+    """A CLIPTextModelWithProjection folder (or, with ``class_name`` CLIPTextModel, a plain one: pooled unprojected)."""
     directory = Path(directory)
     where = str(directory / "config.json")
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"{where} not found")
     raw = json.loads((directory / "config.json").read_text())
-    config = clip_config_from_transformers(raw, where, PROJECTION_CLASS)
+    config = clip_config_from_transformers(raw, where, class_name)
     if config.n_layers < 2:
         raise ValueError(f"{where}: num_hidden_layers must be >= 2 (the penultimate layer is read)")
-    model = CLIPWithProjection(config, int(raw.get("projection_dim", config.dim)), int(raw.get("eos_token_id", 2)))
+    projection = int(raw.get("projection_dim", config.dim)) if class_name == PROJECTION_CLASS else None
+    model = CLIPWithProjection(config, projection, int(raw.get("eos_token_id", 2)))
     state = read_safetensors_dir(directory, ("model",))
     state = {("text_projection.weight" if k == "text_projection.weight" else "model." + _our_name(k)): v.float()
              for k, v in state.items() if not k.endswith("position_ids")}

@@ -17,10 +17,6 @@ class TextConditioning(ContextCache):
         self.pooled = pooled  # (B, P)
         self.guidance = guidance  # (B,) or None
 
-    def rows(self, index: torch.Tensor | slice) -> TextConditioning:
-        """The same conditioning for a subset of rows (e.g. the prompts only, without the unconditional half)."""
-        guidance = None if self.guidance is None else self.guidance[index]
-        return TextConditioning(self.context[index], self.pooled[index], guidance)
 
 
 def gather(context: ContextCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
