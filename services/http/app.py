@@ -28,7 +28,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.deployment import Application
 from starlette.exceptions import HTTPException
@@ -41,9 +41,9 @@ from genserve.services.common.gate import Gate, Ticket
 from genserve.services.common.rate_limit import RateLimits
 from genserve.services.common.ray_adapter import serve_request_id
 from genserve.services.diffusion.schema import KNOWN_ERRORS as IMAGE_ERRORS
-from genserve.services.http import images, playground_api, text
+from genserve.services.http import images, playground_api, responses, text
 from genserve.services.http.errors import ModelNotFound, describe, error_body, error_response, refusal, to_error
-from genserve.services.http.schemas import MAX_BODY_BYTES, ChatBody, CompletionBody, ImageBody
+from genserve.services.http.schemas import MAX_BODY_BYTES, ChatBody, CompletionBody, ImageBody, ResponsesBody
 from genserve.services.http.streams import batches, merge
 from genserve.services.text.schema import KNOWN_ERRORS as TEXT_ERRORS
 from genserve.v1 import text_pb2
@@ -59,6 +59,9 @@ class HttpArgs(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     rate_limits: RateLimits = RateLimits()  # per caller and replica; tokens and images are both counted here
+    # /v1/responses keeps responses for previous_response_id in this replica's memory: at most this many, this long.
+    responses_max_count: int = Field(1000, ge=0)
+    responses_ttl_s: float = Field(3600.0, gt=0)
 
 
 class ErrorObject(BaseModel):
@@ -177,7 +180,9 @@ def _model_entry(model_id: str, created: int, root: str) -> dict[str, Any]:
 @serve.ingress(api)
 class OpenAIApi:
     def __init__(self, settings: HttpArgs | None = None) -> None:
-        self.gate = Gate.from_env((settings or HttpArgs()).rate_limits)
+        settings = settings or HttpArgs()
+        self.gate = Gate.from_env(settings.rate_limits)
+        self.responses = responses.ResponseStore(settings.responses_max_count, settings.responses_ttl_s)
         self.created = int(time.time())
         self._handles: dict[str, Any] = {}
         self._image_size: tuple[int, int] | None = None
@@ -304,6 +309,59 @@ class OpenAIApi:
                 await chunks.aclose()
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    # ---- responses ----------------------------------------------------------------------------------------
+    @api.post("/v1/responses", responses=ERRORS)
+    async def responses_create(self, body: ResponsesBody, request: Request) -> Response:
+        ticket = self._admit(request)
+        return await self._respond(self._responses(body, ticket), responses.FIELDS, responses.KNOWN)
+
+    @api.get("/v1/responses/{response_id}", responses=ERRORS)
+    async def responses_get(self, response_id: str, request: Request) -> Response:
+        self._admit(request)
+
+        async def stored() -> Response:
+            return JSONResponse(self.responses.get(response_id).response)
+
+        return await self._respond(stored(), {"previous_response_id": "response_id"}, responses.KNOWN)
+
+    async def _responses(self, body: ResponsesBody, ticket: Ticket) -> Response:
+        if body.model != TEXT_MODEL:
+            raise ModelNotFound(body.model, "/v1/responses")
+        turn = responses.prepare(body, self.responses)
+        if not body.stream:
+            call = self._handle("text").Generate.remote(turn.request)
+            try:
+                reply = await call
+            except BaseException:
+                call.cancel()
+                raise
+            ticket.charge(reply)
+            return JSONResponse(responses.reply_object(turn, reply, self.responses))
+        stream = self._handle("text").options(stream=True).GenerateStream.remote(turn.request)
+        events = responses.events(turn, stream, self.responses, ticket.charge)
+        try:  # the first events wait for the first chunk: an error up to there gets its own status
+            first = [await anext(events) for _ in range(3)]
+        except BaseException:
+            stream.cancel()
+            await events.aclose()
+            raise
+
+        async def body_bytes() -> AsyncIterator[bytes]:
+            try:
+                yield b"".join(map(responses.sse, first))
+                async for event in events:
+                    yield responses.sse(event)
+            except Exception as exc:  # after the headers: the error goes in the stream, as an `error` event
+                status, error = describe(exc, _request_id(), responses.FIELDS, responses.KNOWN)
+                if status >= 500:
+                    logger.exception("HTTP responses stream failed")
+                yield responses.sse({"type": "error", "sequence_number": 0, **error["error"]})
+            finally:
+                stream.cancel()
+                await events.aclose()
+
+        return StreamingResponse(body_bytes(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     # ---- images -------------------------------------------------------------------------------------------
     async def _images(self, body: ImageBody, ticket: Ticket) -> Response:

@@ -160,3 +160,70 @@ class ImageBody(Body):
     scheduler: str | None = Field(None, json_schema_extra={"enum": list(SCHEDULERS)})
     guidance: str | None = Field(None, json_schema_extra={"enum": list(GUIDANCE_MODES)})
     negative_weight: float | None = bounds(DiffusionIn, "negative_weight")
+
+
+# ---- the Responses API (POST /v1/responses) ----------------------------------------------------------------------
+class InputPart(Body):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class InputItem(Body):
+    """One item of `input`: a message (`type` "message" or absent), a function call the model made earlier, or a
+    call's output. Reasoning items sent back are accepted and not shown to the model again."""
+
+    type: Literal["message", "function_call", "function_call_output", "reasoning"] = "message"
+    role: Literal["system", "developer", "user", "assistant"] | None = None
+    content: str | list[InputPart] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | None = None
+
+
+class FunctionTool(Body):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedTool(Body):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(Body):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(Body):
+    format: TextFormat | None = None
+
+
+class ReasoningConfig(Body):
+    effort: Literal["low", "medium", "high"] | None = None
+
+
+class ResponsesBody(Body):
+    model: str = served("text")
+    input: str | list[InputItem]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    max_output_tokens: int | None = bounds(TextIn, "max_tokens")
+    temperature: float | None = bounds(TextIn, "temperature")
+    top_p: float | None = bounds(TextIn, "top_p")
+    seed: int | None = bounds(TextIn, "seed")  # genserve's extra (extra_body)
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None

@@ -172,7 +172,8 @@ class TextIn(Request):
     tools: list[ToolIn] = Field(default_factory=list, max_length=MAX_TOOLS)
     tool_choice: str = ""
     tool_name: str = ""
-    parallel_tool_calls: bool = True
+    # Off unless asked for: small models (SmolLM2-135M) allowed more calls repeat them until max_tokens.
+    parallel_tool_calls: bool = False
     enable_thinking: bool | None = None
     reasoning_effort: str = ""
 
