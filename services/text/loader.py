@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 
 from genserve.services.text.config import LlamaConfig, from_hf, to_hf
 from genserve.services.text.gguf import GGUFCheckpoint, find_gguf
-from genserve.services.text.model import LlamaForCausalLM, make_rope
+from genserve.services.text.hf_weights import to_model_names
+from genserve.services.text.model import LlamaForCausalLM, make_local_rope, make_rope
 from genserve.services.text.quantize import quantize_int8_
 from genserve.shared.blocks.backend import Backend
 
@@ -88,14 +89,16 @@ def load_model(directory: str | Path | GGUFCheckpoint, dtype: str | None = "floa
     kept = checkpoint.quantized_linears() if keep_quantized and checkpoint is not None else {}
     skip = frozenset(t.name for t in kept.values() if t.name != "token_embd.weight")  # the lookup stays dense
     state = checkpoint.state_dict(cfg, DTYPES[dtype_name], skip) if checkpoint is not None else \
-        load_state_dict(directory, DTYPES[dtype_name], device)
+        to_model_names(load_state_dict(directory, DTYPES[dtype_name], device), cfg)
     # HF saves rotary tables in some versions; they are derived, never weights.
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     # Built on the meta device, then given the loaded tensors themselves (assign): no random init, and no second
     # copy of the weights in another dtype or on another device (an fp32 build was 4 more bytes per parameter).
     rope = make_rope(cfg).to(device=device, dtype=DTYPES[dtype_name])  # derived tables, never in a checkpoint
+    local_rope = make_local_rope(cfg)
+    local_rope = local_rope.to(device=device, dtype=DTYPES[dtype_name]) if local_rope is not None else None
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend, rope)
+        model = LlamaForCausalLM(cfg, backend, rope, local_rope)
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
     result = model.load_state_dict(state, strict=False, assign=True)

@@ -1,8 +1,8 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, and our own models with the options of the chapter
-"Deep Learning Building Blocks"), built from ``genserve.shared.blocks``: RMSNorm pre-norm (Def. 19,
-"Root Mean Square Layer Normalisation"), RoPE (Def. 15, "Rotary Position Embedding") with the checkpoint's theta and
-scaling, GQA (Def. 17, "Multi-Query and Grouped-Query Attention"), SwiGLU (Def. 20, "SwiGLU"), optional q/k/v bias,
-sliding-window attention, gated attention (Def. 18, "Gated Attention") and the parallel block (Def. 21,
+"""The decoder of every served text architecture (config.py), built from ``genserve.shared.blocks``: RMSNorm pre-norm
+(Def. 19, "Root Mean Square Layer Normalisation"), RoPE (Def. 15, "Rotary Position Embedding") with the checkpoint's
+theta and scaling, GQA (Def. 17, "Multi-Query and Grouped-Query Attention") or multi-head latent attention (Def. 22),
+SwiGLU/GeGLU (Def. 20, "SwiGLU") or a mixture of experts (Remark 18), optional q/k/v bias, sliding windows per layer,
+QK-norm, soft-capping, attention sinks, gated attention (Def. 18, "Gated Attention") and the parallel block (Def. 21,
 "Parallel Transformer Block").
 
 Parameter names are Hugging Face's (``model.layers.{i}.self_attn.q_proj.weight`` ...), so HF checkpoints load
@@ -11,6 +11,8 @@ Parameter names are Hugging Face's (``model.layers.{i}.self_attn.q_proj.weight``
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -21,6 +23,8 @@ from genserve.shared.blocks.attention import MultiHeadAttention
 from genserve.shared.blocks.backend import Backend, get_backend
 from genserve.shared.blocks.ffn import SwiGLU
 from genserve.shared.blocks.linear import Linear
+from genserve.shared.blocks.mla import MultiHeadLatentAttention
+from genserve.shared.blocks.moe import MoE
 from genserve.shared.blocks.norms import RMSNorm
 from genserve.shared.blocks.paged import PagedBatch
 from genserve.shared.blocks.quant_linear import QuantLinear
@@ -29,21 +33,30 @@ from genserve.shared.blocks.rope import RoPE, RopeScaling
 
 class DecoderLayer(nn.Module):
     """x' = x + Attn(Norm(x)); x'' = x' + FFN(Norm(x')) — or, with ``parallel_block``, the single-norm parallel
-    form x' = x + Attn(Norm(x)) + FFN(Norm(x)) (Def. 21, "Parallel Transformer Block").
+    form x' = x + Attn(Norm(x)) + FFN(Norm(x)) (Def. 21, "Parallel Transformer Block"); with ``sandwich_norm``
+    (Gemma 2/3) each sublayer's output is normalised too: x' = x + Norm(Attn(Norm(x))), x'' = x' + Norm(FFN(Norm(x'))).
 
     As in vLLM, the residual stream travels beside the layer's output so that every add lands in the following
     norm (``RMSNorm(x, residual)``, one fused pass on the GPU): a layer takes (its input's last delta, the residual
     before it) and returns (its own delta, the residual before that delta); the first layer gets (embedding, None).
     """
 
-    def __init__(self, cfg: LlamaConfig, backend: Backend):
+    def __init__(self, cfg: LlamaConfig, backend: Backend, index: int = 0):
         super().__init__()
         self.cfg = cfg
-        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, backend)
-        self.self_attn = MultiHeadAttention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, bias=cfg.qkv_bias,
-                                            gated=cfg.gated_attention, backend=backend)
-        self.post_attention_layernorm = None if cfg.parallel_block else RMSNorm(cfg.dim, cfg.norm_eps, backend)
-        self.mlp = _ffn(cfg, backend)
+        self.window = cfg.layer_window(index)
+        self.local_rope = bool(self.window and cfg.rope_local_theta)  # Gemma 3's sliding layers have their own base
+
+        def norm(dim: int = cfg.dim) -> RMSNorm:
+            return RMSNorm(dim, cfg.norm_eps, backend, unit_offset=cfg.norm_unit_offset)
+
+        self.input_layernorm = norm()
+        self.self_attn = _attention(cfg, backend)
+        self.post_attention_layernorm = None if cfg.parallel_block else norm()
+        if cfg.sandwich_norm:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+        self.mlp = _ffn(cfg, backend, index)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, attend) -> tuple[torch.Tensor, torch.Tensor]:
         """``attend(self_attn, h) -> attention output`` supplies the attention for either forward path."""
@@ -53,16 +66,49 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x, residual)  # residual = x + residual, h = Norm(residual)
         if self.post_attention_layernorm is None:
             return attend(self.self_attn, h) + self.mlp(h), residual
+        if self.cfg.sandwich_norm:
+            h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(attend(self.self_attn, h)),
+                                                         residual)
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
         h, residual = self.post_attention_layernorm(attend(self.self_attn, h), residual)
         return self.mlp(h), residual
 
 
-def _ffn(cfg: LlamaConfig, backend: Backend) -> nn.Module:
-    if cfg.n_experts:
-        from genserve.shared.blocks.moe import MoE
+def _sm_scale(cfg: LlamaConfig) -> float:
+    """The softmax scale: 1/sqrt(head width), Gemma's query_pre_attn_scalar, and for MLA with YaRN the square of
+    YaRN's mscale (DeepSeek-V2's reference code scales every score dimension, not only the rotated ones)."""
+    if cfg.query_pre_attn_scalar:
+        return cfg.query_pre_attn_scalar ** -0.5
+    scale = cfg.head_dim ** -0.5
+    scaling = dict(cfg.rope_scaling)
+    if cfg.mla and cfg.rope_type == "yarn" and scaling.get("mscale_all_dim") and scaling.get("factor", 1) > 1:
+        mscale = 0.1 * scaling["mscale_all_dim"] * math.log(scaling["factor"]) + 1.0
+        scale *= mscale * mscale
+    return scale
 
-        return MoE(cfg.dim, n_experts=cfg.n_experts, top_k=cfg.n_experts_per_token, hidden_dim=cfg.ffn_hidden)
-    return SwiGLU(cfg.dim, cfg.ffn_hidden, backend=backend)
+
+def _attention(cfg: LlamaConfig, backend: Backend) -> nn.Module:
+    if cfg.mla:
+        return MultiHeadLatentAttention(cfg.dim, cfg.n_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
+                                        cfg.qk_rope_head_dim, cfg.v_head_dim, rope_interleaved=cfg.rope_interleaved,
+                                        backend=backend, q_lora_rank=cfg.q_lora_rank, sm_scale=_sm_scale(cfg),
+                                        norm_eps=cfg.norm_eps)
+    return MultiHeadAttention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, bias=cfg.qkv_bias,
+                              out_bias=cfg.o_bias, gated=cfg.gated_attention, sm_scale=_sm_scale(cfg), backend=backend,
+                              qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps, norm_unit_offset=cfg.norm_unit_offset,
+                              softcap=cfg.attn_softcap, sinks=cfg.attention_sinks)
+
+
+def _ffn(cfg: LlamaConfig, backend: Backend, index: int) -> nn.Module:
+    act = {"activation": cfg.hidden_act, "alpha": cfg.swiglu_alpha, "limit": cfg.swiglu_limit}
+    if cfg.layer_is_moe(index):
+        hidden = cfg.moe_hidden or cfg.ffn_hidden
+        return MoE(cfg.dim, n_experts=cfg.n_experts, top_k=cfg.n_experts_per_token, hidden_dim=hidden,
+                   n_shared_experts=1 if cfg.n_shared_experts else 0, normalize_topk=cfg.norm_topk_prob,
+                   router=cfg.router, router_bias=cfg.router_bias, expert_bias=cfg.expert_bias,
+                   shared_hidden_dim=hidden * cfg.n_shared_experts or None, n_groups=cfg.n_expert_groups,
+                   topk_groups=cfg.topk_groups, routed_scaling=cfg.routed_scaling, backend=backend, **act)
+    return SwiGLU(cfg.dim, cfg.ffn_hidden, backend=backend, **act)
 
 
 class Backbone(nn.Module):
@@ -71,13 +117,16 @@ class Backbone(nn.Module):
     def __init__(self, cfg: LlamaConfig, backend: Backend):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, backend)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, backend, unit_offset=cfg.norm_unit_offset)
+        self.embed_scale = cfg.dim ** 0.5 if cfg.embed_scale else 0.0
 
     def forward(self, input_ids: torch.Tensor, attend, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (...) -> final hidden states (..., dim); ``rows`` keeps only those tokens (flat index) before
         the final norm, where only some tokens need logits."""
         x, residual = self.embed_tokens(input_ids), None
+        if self.embed_scale:  # Gemma: the scale rounded to the activations' dtype first, as its reference does
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, lambda attn, h, i=i: attend(i, attn, h))
         if rows is not None:
@@ -87,14 +136,21 @@ class Backbone(nn.Module):
 
 def make_rope(cfg: LlamaConfig) -> RoPE:
     """cos/sin tables for positions 0..max_position-1 with the checkpoint's theta and scaling
-    (Remark 10, "RoPE in Practice")."""
-    return RoPE(cfg.head_dim, cfg.max_position, cfg.rope_theta,
+    (Remark 10, "RoPE in Practice"); the rotated width is MLA's decoupled part where it applies."""
+    return RoPE(cfg.rope_dim, cfg.max_position, cfg.rope_theta,
                 RopeScaling.from_hf(dict(cfg.rope_scaling), cfg.max_position))
 
 
+def make_local_rope(cfg: LlamaConfig) -> RoPE | None:
+    """The sliding layers' tables where they have a base of their own (Gemma 3), unscaled; None otherwise."""
+    return RoPE(cfg.rope_dim, cfg.max_position, cfg.rope_local_theta) if cfg.rope_local_theta else None
+
+
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: LlamaConfig, backend: Backend | None = None, rope: RoPE | None = None):
-        """``rope``: tables already made (the loader builds the rest on the meta device, where they cannot be)."""
+    def __init__(self, cfg: LlamaConfig, backend: Backend | None = None, rope: RoPE | None = None,
+                 local_rope: RoPE | None = None):
+        """``rope``, ``local_rope``: tables already made (the loader builds the rest on the meta device, where they
+        cannot be)."""
         super().__init__()
         self.config = cfg
         self.backend = backend or get_backend()
@@ -103,6 +159,18 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = make_rope(cfg) if rope is None else rope
+        self.local_rope = make_local_rope(cfg) if local_rope is None else local_rope
+        self.final_softcap = cfg.final_softcap
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final hidden states -> logits, soft-capped where the model caps them (Gemma 2)."""
+        logits = self.lm_head(h)
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+    def _tables(self, layer: DecoderLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.local_rope.tables() if layer.local_rope else self.rope.tables()
 
     def num_params(self) -> int:
         """Parameters of the checkpoint: tied weights once; int8- and GGUF-quantised matrices (buffers) included."""
@@ -117,10 +185,13 @@ class LlamaForCausalLM(nn.Module):
         """input_ids (B, T) -> logits (B, T, V), every sequence starting at position 0."""
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
 
-        def attend(i: int, attn: MultiHeadAttention, h: torch.Tensor) -> torch.Tensor:
-            return attn(h, rope=self.rope.tables(), positions=positions, window=self.config.sliding_window)
+        def attend(i: int, attn: nn.Module, h: torch.Tensor) -> torch.Tensor:
+            layer = self.model.layers[i]
+            if isinstance(attn, MultiHeadLatentAttention):
+                return attn(h, rope=self._tables(layer), positions=positions)
+            return attn(h, rope=self._tables(layer), positions=positions, window=layer.window)
 
-        return self.lm_head(self.model(input_ids, attend))  # (B, T, V)
+        return self.logits(self.model(input_ids, attend))  # (B, T, V)
 
     # ---- the engine's flat batch against the paged cache ------------------------------------------------------
     def forward_paged(self, batch: PagedBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
@@ -130,9 +201,16 @@ class LlamaForCausalLM(nn.Module):
         batch = batch.to(self.model.embed_tokens.weight.device)
         cos, sin = self.rope.tables()
         rope = cos[batch.positions], sin[batch.positions]  # (N, D/2): one row per token, gathered once per step
+        if self.local_rope is not None:
+            cos, sin = self.local_rope.tables()
+            local = cos[batch.positions], sin[batch.positions]
 
-        def attend(i: int, attn: MultiHeadAttention, h: torch.Tensor) -> torch.Tensor:
-            return attn.forward_paged(h, batch, rope, k_caches[i], v_caches[i], window=self.config.sliding_window)
+        def attend(i: int, attn: nn.Module, h: torch.Tensor) -> torch.Tensor:
+            layer = self.model.layers[i]
+            rows = local if layer.local_rope else rope
+            if isinstance(attn, MultiHeadLatentAttention):  # one cache serves as keys and values (mla.py)
+                return attn.forward_paged(h, batch, rows, k_caches[i], window=layer.window)
+            return attn.forward_paged(h, batch, rows, k_caches[i], v_caches[i], window=layer.window)
 
         # (S, dim): the final norm and the LM head only where a token is sampled
-        return self.lm_head(self.model(batch.input_ids, attend, rows=batch.logits_index))
+        return self.logits(self.model(batch.input_ids, attend, rows=batch.logits_index))

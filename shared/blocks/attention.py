@@ -3,6 +3,10 @@ grouped key/value heads (Def. 17, "Multi-Query and Grouped-Query Attention": MHA
 between, MQA when n_kv_heads = 1), optional RoPE (Def. 15, "Rotary Position Embedding"), a KV cache (Def. 16,
 "KV Cache") and the optional sigmoid output gate of gated attention (Def. 18, "Gated Attention").
 
+Variants of the served families: QK-norm, a per-head RMSNorm of queries and keys before RoPE (`q_norm`, `k_norm`;
+Qwen3, Gemma 3; Dehghani et al. 2023), logit soft-capping (`softcap`; Gemma 2) and learned attention sinks (`sinks`,
+one logit per head; gpt-oss), the last two computed by the backend (sdpa.py).
+
 Submodule names follow HF Llama/Qwen2 (`q_proj`, `k_proj`, `v_proj`, `o_proj`) so checkpoints map 1:1. The compute
 goes through a backend (shared/blocks/backend.py); the module itself never looks at devices. `forward` attends over
 dense (B, T) batches (training, parity, the image models); `forward_paged` over the serving engine's flat batch and
@@ -21,6 +25,7 @@ from genserve.shared.blocks.backend import Backend, get_backend
 from genserve.shared.blocks.kv_cache import KVCache
 from genserve.shared.blocks.linear import Linear
 from genserve.shared.blocks.masks import causal_mask
+from genserve.shared.blocks.norms import RMSNorm
 from genserve.shared.blocks.paged import PagedBatch, PrefillChunk, gather
 from genserve.shared.blocks.sdpa import scaled_dot_product_attention
 
@@ -44,6 +49,12 @@ class MultiHeadAttention(nn.Module):
         rope_interleaved: bool = False,
         sm_scale: float | None = None,
         backend: Backend | None = None,
+        *,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+        norm_unit_offset: bool = False,
+        softcap: float = 0.0,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         n_kv_heads = n_kv_heads or n_heads
@@ -64,6 +75,13 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = Linear(dim, n_kv_heads * head_dim, bias=bias, backend=backend)
         self.o_proj = Linear(n_heads * head_dim, dim, bias=out_bias, backend=backend)
         self.gate_proj = Linear(dim, n_heads * head_dim, bias=False, backend=backend) if gated else None
+        self.softcap = softcap
+        self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks else None
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, norm_eps, backend, unit_offset=norm_unit_offset)
+            self.k_norm = RMSNorm(head_dim, norm_eps, backend, unit_offset=norm_unit_offset)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(
         self,
@@ -93,10 +111,12 @@ class MultiHeadAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)  # (B, Hkv, Nk, D)
         if attn_mask is None:
-            o = self.backend.attend(q, k, v, causal=causal, sm_scale=self.sm_scale, window=window)
+            o = self.backend.attend(q, k, v, causal=causal, sm_scale=self.sm_scale, window=window,
+                                    softcap=self.softcap, sinks=self.sinks)
         else:
             mask = attn_mask & causal_mask(t, k.shape[2], x.device) if causal else attn_mask
-            o = scaled_dot_product_attention(q, k, v, mask, sm_scale=self.sm_scale)
+            o = scaled_dot_product_attention(q, k, v, mask, sm_scale=self.sm_scale, softcap=self.softcap,
+                                             sinks=self.sinks)
         return self._output(o, x)
 
     def forward_paged(self, x: torch.Tensor, batch: PagedBatch, rope: tuple[torch.Tensor, torch.Tensor],
@@ -114,7 +134,8 @@ class MultiHeadAttention(nn.Module):
         if batch.n_decode:
             qd = q[0, :, : batch.n_decode].transpose(0, 1)  # (Bd, Hq, D)
             od = self.backend.paged_decode(qd, k_cache, v_cache, batch.decode_tables, batch.decode_lens,
-                                           sm_scale=self.sm_scale, window=window)
+                                           sm_scale=self.sm_scale, window=window, softcap=self.softcap,
+                                           sinks=self.sinks)
             out[0, :, : batch.n_decode] = od.transpose(0, 1)
         for c in batch.prefills:
             rows = slice(c.offset, c.offset + c.length)
@@ -130,13 +151,16 @@ class MultiHeadAttention(nn.Module):
             k_start = max(0, c.start - window + 1) if window else 0
             kc = gather(k_cache, c.table, k_start, c.context_len)
             vc = gather(v_cache, c.table, k_start, c.context_len)
-        return self.backend.attend(qc, kc, vc, causal=True, sm_scale=self.sm_scale, window=window)
+        return self.backend.attend(qc, kc, vc, causal=True, sm_scale=self.sm_scale, window=window,
+                                   softcap=self.softcap, sinks=self.sinks)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (..., T, dim) -> q (..., Hq, T, D), k and v (..., Hkv, T, D)."""
         q = self.q_proj(x).unflatten(-1, (self.n_heads, self.head_dim)).transpose(-3, -2)
         k = self.k_proj(x).unflatten(-1, (self.n_kv_heads, self.head_dim)).transpose(-3, -2)
         v = self.v_proj(x).unflatten(-1, (self.n_kv_heads, self.head_dim)).transpose(-3, -2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

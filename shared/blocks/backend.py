@@ -4,12 +4,14 @@
 when not given: "auto" (default), "reference", "torch" or "triton". Every backend has the same nine methods (the
 contract in docs/architecture.md):
 
-- attend(q, k, v, *, causal, sm_scale=None, window=0): q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D), Hq % Hkv == 0 (GQA
-  read natively); the causal mask is bottom-right aligned (query i sees keys j <= i + Nk - Nq); a sliding `window`
-  > 0 (causal only) also hides keys j <= i + Nk - Nq - window (masks.sliding_window_mask);
-- paged_decode(q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None, window=0): q (B, Hq, D), caches
-  (num_blocks, block_size, Hkv, D), block_tables int32 (B, max_blocks), context_lens int32 (B,) -> (B, Hq, D); with
-  a `window`, each sequence attends to its last `window` keys only;
+- attend(q, k, v, *, causal, sm_scale=None, window=0, softcap=0.0, sinks=None): q (B, Hq, Nq, D), k/v (B, Hkv, Nk,
+  D), Hq % Hkv == 0 (GQA read natively); the causal mask is bottom-right aligned (query i sees keys j <= i + Nk - Nq);
+  a sliding `window` > 0 (causal only) also hides keys j <= i + Nk - Nq - window (masks.sliding_window_mask);
+  `softcap` > 0 caps the scores at +-softcap (tanh) and `sinks` (Hq,) adds one sink logit per head to every row's
+  softmax (sdpa.py);
+- paged_decode(q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None, window=0, softcap=0.0, sinks=None):
+  q (B, Hq, D), caches (num_blocks, block_size, Hkv, D), block_tables int32 (B, max_blocks), context_lens int32 (B,)
+  -> (B, Hq, D); with a `window`, each sequence attends to its last `window` keys only; softcap and sinks as above;
 - rms_norm(x, weight, eps, residual=None): y, or (y, x + residual) with the norm taken of x + residual;
 - apply_rope(q, k, cos, sin, positions, *, interleaved=False): (q, k) rotated; cos/sin are (P, D/2) tables;
 - linear(x, weight, bias=None): y = x W^T + b, weight (N, K) as in nn.Linear;
@@ -91,11 +93,13 @@ class ReferenceBackend:
 
     name = "reference"
 
-    def attend(self, q, k, v, *, causal: bool, sm_scale: float | None = None, window: int = 0) -> torch.Tensor:
-        return scaled_dot_product_attention(q, k, v, _keep_mask(q, k, causal, window), sm_scale=sm_scale)
+    def attend(self, q, k, v, *, causal: bool, sm_scale: float | None = None, window: int = 0, softcap: float = 0.0,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return scaled_dot_product_attention(q, k, v, _keep_mask(q, k, causal, window), sm_scale=sm_scale,
+                                            softcap=softcap, sinks=sinks)
 
-    def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None, window: int = 0
-                     ) -> torch.Tensor:
+    def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None, window: int = 0,
+                     softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         bs = k_cache.shape[1]
         out = []
         for b in range(q.shape[0]):
@@ -104,7 +108,8 @@ class ReferenceBackend:
             blocks = block_tables[b, : (n + bs - 1) // bs].long()
             k = k_cache[blocks].flatten(0, 1)[start:n].transpose(0, 1)  # (Hkv, n - start, D)
             v = v_cache[blocks].flatten(0, 1)[start:n].transpose(0, 1)
-            o = scaled_dot_product_attention(q[b, None, :, None], k[None], v[None], sm_scale=sm_scale)  # (1, Hq, 1, D)
+            o = scaled_dot_product_attention(q[b, None, :, None], k[None], v[None], sm_scale=sm_scale, softcap=softcap,
+                                             sinks=sinks)  # (1, Hq, 1, D)
             out.append(o[0, :, 0])
         return torch.stack(out)  # (B, Hq, D)
 
@@ -141,7 +146,11 @@ class TorchBackend(ReferenceBackend):
 
     name = "torch"
 
-    def attend(self, q, k, v, *, causal: bool, sm_scale: float | None = None, window: int = 0) -> torch.Tensor:
+    def attend(self, q, k, v, *, causal: bool, sm_scale: float | None = None, window: int = 0, softcap: float = 0.0,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if softcap or sinks is not None:  # scores SDPA cannot shape: the written-out attention
+            return super().attend(q, k, v, causal=causal, sm_scale=sm_scale, window=window, softcap=softcap,
+                                  sinks=sinks)
         nq, nk = q.shape[2], k.shape[2]
         gqa = q.shape[1] != k.shape[1]
         if window and window < nk:
@@ -155,8 +164,11 @@ class TorchBackend(ReferenceBackend):
         mask = causal_mask(nq, nk, q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=sm_scale, enable_gqa=gqa)
 
-    def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None, window: int = 0
-                     ) -> torch.Tensor:
+    def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None, window: int = 0,
+                     softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if softcap or sinks is not None:
+            return self._paged_decode_capped(q, k_cache, v_cache, block_tables, context_lens, sm_scale, window,
+                                             softcap, sinks)
         if q.device.type == "cpu" and not window and not _needs_grad(q):
             from genserve.kernels import cpu_paged_decode
 
@@ -171,6 +183,20 @@ class TorchBackend(ReferenceBackend):
         mask = keep[:, None, None, :]  # (B, 1, 1, M*bs)
         gqa = q.shape[1] != k.shape[1]
         o = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, scale=sm_scale, enable_gqa=gqa)
+        return o[:, :, 0]
+
+    @staticmethod
+    def _paged_decode_capped(q, k_cache, v_cache, block_tables, context_lens, sm_scale, window, softcap, sinks
+                             ) -> torch.Tensor:
+        """paged_decode with soft-capped scores or sinks: every sequence's keys gathered at once, written-out
+        attention (sdpa.py)."""
+        k = _gather_paged(k_cache, block_tables)  # (B, Hkv, M*bs, D)
+        v = _gather_paged(v_cache, block_tables)
+        pos = torch.arange(k.shape[2], device=q.device)[None, :]
+        lens = context_lens.to(q.device).long()[:, None]
+        keep = (pos < lens) & (pos >= lens - window) if window else pos < lens
+        o = scaled_dot_product_attention(q[:, :, None], k, v, keep[:, None, None, :], sm_scale=sm_scale,
+                                         softcap=softcap, sinks=sinks)
         return o[:, :, 0]
 
     def rms_norm(self, x, weight, eps: float, residual=None):
@@ -253,11 +279,18 @@ class TritonBackend:
             self._kernels = kernels
         return self._kernels
 
-    def attend(self, q, k, v, *, causal: bool, sm_scale: float | None = None, window: int = 0) -> torch.Tensor:
+    def attend(self, q, k, v, *, causal: bool, sm_scale: float | None = None, window: int = 0, softcap: float = 0.0,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if softcap or sinks is not None:  # the flash kernel has neither yet: the written-out attention
+            return ReferenceBackend.attend(self, q, k, v, causal=causal, sm_scale=sm_scale, window=window,
+                                           softcap=softcap, sinks=sinks)
         return self.kernels.flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, window=window)
 
-    def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None, window: int = 0
-                     ) -> torch.Tensor:
+    def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None, window: int = 0,
+                     softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if softcap or sinks is not None:  # the paged kernel has neither yet
+            return TorchBackend._paged_decode_capped(q, k_cache, v_cache, block_tables, context_lens, sm_scale, window,
+                                                     softcap, sinks)
         return self.kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale=sm_scale,
                                                    window=window)
 
@@ -296,13 +329,15 @@ class AutoBackend:
         # The kernels are forward-only: training on a GPU must keep autograd, so it takes the torch path.
         return self._triton if self._triton is not None and t.is_cuda and not _needs_grad(t) else self._torch
 
-    def attend(self, q, k, v, *, causal: bool, sm_scale: float | None = None, window: int = 0) -> torch.Tensor:
-        return self._pick(q).attend(q, k, v, causal=causal, sm_scale=sm_scale, window=window)
+    def attend(self, q, k, v, *, causal: bool, sm_scale: float | None = None, window: int = 0, softcap: float = 0.0,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return self._pick(q).attend(q, k, v, causal=causal, sm_scale=sm_scale, window=window, softcap=softcap,
+                                    sinks=sinks)
 
-    def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None, window: int = 0
-                     ) -> torch.Tensor:
+    def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None, window: int = 0,
+                     softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         return self._pick(q).paged_decode(q, k_cache, v_cache, block_tables, context_lens, sm_scale=sm_scale,
-                                          window=window)
+                                          window=window, softcap=softcap, sinks=sinks)
 
     def rms_norm(self, x, weight, eps: float, residual=None):
         return self._pick(x).rms_norm(x, weight, eps, residual)

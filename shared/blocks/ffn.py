@@ -87,19 +87,34 @@ def swiglu_hidden_dim(dim: int, multiple_of: int = 256) -> int:
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
+GATED_ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_clamped")
+
+
 class SwiGLU(nn.Module):
-    """SwiGLU(x) = (Swish(x W_1) * (x V)) W_2 (Def. 20, "SwiGLU").
+    """SwiGLU(x) = (Swish(x W_1) * (x V)) W_2 (Def. 20, "SwiGLU"), and its gated-linear-unit siblings (Shazeer 2020)
+    by `activation`: "gelu_tanh" is GeGLU with the tanh GELU (Gemma); "swiglu_clamped" is gpt-oss's
+    (V x + 1) * g sigmoid(alpha g), g = min(W_1 x, limit), V x clamped to [-limit, limit].
 
     Names follow HF Llama so checkpoints map 1:1: W_1 = `gate_proj`, V = `up_proj`, W_2 = `down_proj`.
     """
 
-    def __init__(self, dim: int, hidden_dim: int | None = None, bias: bool = False, backend: Backend | None = None
-                 ) -> None:
+    def __init__(self, dim: int, hidden_dim: int | None = None, bias: bool = False, backend: Backend | None = None,
+                 activation: str = "silu", alpha: float = 1.702, limit: float = 7.0) -> None:
         super().__init__()
+        if activation not in GATED_ACTIVATIONS:
+            raise ValueError(f"activation must be one of {GATED_ACTIVATIONS}, got {activation!r}")
         hidden_dim = hidden_dim or swiglu_hidden_dim(dim)
+        self.activation, self.alpha, self.limit = activation, alpha, limit
         self.gate_proj = Linear(dim, hidden_dim, bias=bias, backend=backend)
         self.up_proj = Linear(dim, hidden_dim, bias=bias, backend=backend)
         self.down_proj = Linear(hidden_dim, dim, bias=bias, backend=backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.activation == "silu":
+            return self.down_proj(nn.functional.silu(gate) * up)
+        if self.activation == "gelu_tanh":
+            return self.down_proj(nn.functional.gelu(gate, approximate="tanh") * up)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)
+        return self.down_proj((up + 1) * gate * torch.sigmoid(gate * self.alpha))

@@ -6,8 +6,15 @@ through that low-rank map, so each key also carries a small d_rope part k_t^R, r
 next to the per-head non-rotated part. The cache (`LatentKVCache`) therefore stores only c_t^KV and k_t^R per token:
 L (d_c + d_rope) values per token instead of 2 L h d_k.
 
-Names follow DeepSeek-V2's checkpoints: `q_proj`, `kv_a_proj_with_mqa` (x -> [c_KV | k_R]), `kv_a_layernorm`,
-`kv_b_proj` (c_KV -> per-head [k_nope | v], i.e. W^UK and W^UV stacked), `o_proj`.
+Serving uses the absorbed form (DeepSeek-V2, section 2.1.2; vLLM's MLA backend): q_nope^T k_nope = (W^UK^T q_nope)^T
+c_KV, so each head's query is moved into the latent space once and attends straight over the cached [c_KV | k_R];
+the values are the latent itself, and W^UV is applied to each head's attended latent afterwards. That makes the
+paged cache one "head" of d_c + d_rope values per token and the attention MQA over it, run by the backend's ordinary
+`attend` and `paged_decode` (the value width is the key width; its last d_rope columns are dropped after).
+
+Names follow DeepSeek-V2/V3's checkpoints: `q_proj` (or, with a query LoRA rank, `q_a_proj`, `q_a_layernorm`,
+`q_b_proj`), `kv_a_proj_with_mqa` (x -> [c_KV | k_R]), `kv_a_layernorm`, `kv_b_proj` (c_KV -> per-head [k_nope | v],
+i.e. W^UK and W^UV stacked), `o_proj`.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from torch import nn
 
 from genserve.shared.blocks.backend import Backend, get_backend
 from genserve.shared.blocks.norms import RMSNorm
+from genserve.shared.blocks.paged import PagedBatch, gather
 
 
 class LatentKVCache(nn.Module):
@@ -62,6 +70,10 @@ class MultiHeadLatentAttention(nn.Module):
         v_head_dim: int,
         rope_interleaved: bool = False,
         backend: Backend | None = None,
+        *,
+        q_lora_rank: int = 0,
+        sm_scale: float | None = None,
+        norm_eps: float = 1e-6,
     ) -> None:
         super().__init__()
         if qk_rope_head_dim % 2:
@@ -69,10 +81,16 @@ class MultiHeadLatentAttention(nn.Module):
         self.n_heads, self.kv_latent_dim = n_heads, kv_latent_dim
         self.d_nope, self.d_rope, self.d_v = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.rope_interleaved = rope_interleaved
-        self.sm_scale = 1.0 / math.sqrt(qk_nope_head_dim + qk_rope_head_dim)
-        self.q_proj = nn.Linear(dim, n_heads * (qk_nope_head_dim + qk_rope_head_dim), bias=False)
+        self.sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(qk_nope_head_dim + qk_rope_head_dim)
+        q_out = n_heads * (qk_nope_head_dim + qk_rope_head_dim)
+        if q_lora_rank:  # DeepSeek-V2/V3 compress the query too: W^UQ (norm (W^DQ x))
+            self.q_a_proj = nn.Linear(dim, q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, norm_eps, backend=backend)
+            self.q_b_proj = nn.Linear(q_lora_rank, q_out, bias=False)
+        else:
+            self.q_proj = nn.Linear(dim, q_out, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(dim, kv_latent_dim + qk_rope_head_dim, bias=False)  # W^DKV and W^KR
-        self.kv_a_layernorm = RMSNorm(kv_latent_dim, backend=backend)
+        self.kv_a_layernorm = RMSNorm(kv_latent_dim, norm_eps, backend=backend)
         self.kv_b_proj = nn.Linear(kv_latent_dim, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)  # W^UK, W^UV
         self.o_proj = nn.Linear(n_heads * v_head_dim, dim, bias=False)
         self.backend = backend or get_backend()
@@ -88,7 +106,7 @@ class MultiHeadLatentAttention(nn.Module):
     ) -> torch.Tensor:
         """rope: (cos, sin) tables over d_rope; positions default to cache.length + 0..T-1."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.d_nope + self.d_rope).transpose(1, 2)  # (B, H, T, dn+dr)
+        q = self._query(x).view(b, t, self.n_heads, self.d_nope + self.d_rope).transpose(1, 2)  # (B, H, T, dn+dr)
         q_nope, q_rope = q.split((self.d_nope, self.d_rope), dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split((self.kv_latent_dim, self.d_rope), dim=-1)
         latent = self.kv_a_layernorm(latent)  # (B, T, d_c)
@@ -109,3 +127,60 @@ class MultiHeadLatentAttention(nn.Module):
         q = torch.cat((q_nope, q_rope), dim=-1)
         o = self.backend.attend(q, k, v, causal=causal, sm_scale=self.sm_scale)  # (B, H, T, dv)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, self.n_heads * self.d_v))
+
+    def _query(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., dim) -> every head's query (..., H (dn + dr))."""
+        if hasattr(self, "q_proj"):
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+    def _up(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W^UK (H, dn, d_c) and W^UV (H, dv, d_c), views of `kv_b_proj`."""
+        w = self.kv_b_proj.weight.view(self.n_heads, self.d_nope + self.d_v, self.kv_latent_dim)
+        return w[:, : self.d_nope], w[:, self.d_nope :]
+
+    def latent_entries(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (N, dim), rope rows (N, dr/2) each -> (absorbed queries (N, H, d_c + dr), cache entries (N, d_c + dr)).
+
+        A query is [W^UK^T q_nope | RoPE(q_rope)] per head; an entry is [norm(c_KV) | RoPE(k_R)]."""
+        n = x.shape[0]
+        q = self._query(x).view(n, self.n_heads, self.d_nope + self.d_rope)
+        q_nope, q_rope = q.split((self.d_nope, self.d_rope), dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split((self.kv_latent_dim, self.d_rope), dim=-1)
+        latent = self.kv_a_layernorm(latent)  # (N, d_c)
+        q_rope, k_rope = self.backend.apply_rope(q_rope.transpose(0, 1)[None], k_rope[None, None], rope[0], rope[1],
+                                                 None, interleaved=self.rope_interleaved)
+        w_uk, _ = self._up()
+        q_lat = torch.einsum("nhd,hdc->nhc", q_nope, w_uk)  # (N, H, d_c)
+        queries = torch.cat((q_lat, q_rope[0].transpose(0, 1)), dim=-1)  # (N, H, d_c + dr)
+        return queries, torch.cat((latent, k_rope[0, 0]), dim=-1)
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """Attended entries o (N, H, d_c + dr) -> (N, dim): W^UV on each head's latent part, then W^O."""
+        _, w_uv = self._up()
+        v = torch.einsum("nhc,hvc->nhv", o[..., : self.kv_latent_dim], w_uv)  # (N, H, dv)
+        return self.o_proj(v.flatten(1))
+
+    def forward_paged(self, x: torch.Tensor, batch: PagedBatch, rope: tuple[torch.Tensor, torch.Tensor],
+                      cache: torch.Tensor, *, window: int = 0) -> torch.Tensor:
+        """The engine's flat batch x (N, dim) -> (N, dim) in the absorbed form (module docstring). `cache`
+        (num_blocks, block_size, 1, d_c + dr) holds every token's entry and serves as keys and values both."""
+        queries, entries = self.latent_entries(x, rope)
+        cache.view(-1, entries.shape[-1]).index_copy_(0, batch.slots, entries)
+        q = queries.transpose(0, 1)[None]  # (1, H, N, d_c + dr)
+        out = torch.empty_like(q)
+        if batch.n_decode:
+            qd = q[0, :, : batch.n_decode].transpose(0, 1)  # (Bd, H, d_c + dr)
+            od = self.backend.paged_decode(qd, cache, cache, batch.decode_tables, batch.decode_lens,
+                                           sm_scale=self.sm_scale, window=window)
+            out[0, :, : batch.n_decode] = od.transpose(0, 1)
+        for c in batch.prefills:
+            rows = slice(c.offset, c.offset + c.length)
+            if c.start == 0:
+                kv = entries[None, None, rows]  # (1, 1, n, d_c + dr)
+            else:
+                kv = gather(cache, c.table, max(0, c.start - window + 1) if window else 0, c.context_len)
+            out[:, :, rows] = self.backend.attend(q[:, :, rows], kv, kv, causal=True, sm_scale=self.sm_scale,
+                                                  window=window)
+        return self.output(out[0].transpose(0, 1))

@@ -21,18 +21,21 @@ class RMSNorm(nn.Module):
     (Def. 19, "Root Mean Square Layer Normalisation"); `weight` is gamma.
 
     forward(x, residual) fuses the pre-norm residual add: it returns (norm(x + residual), x + residual).
+    With `unit_offset` the gain is 1 + w and w starts at zero (Gemma's checkpoints store it so).
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6, backend: Backend | None = None) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, backend: Backend | None = None, unit_offset: bool = False) -> None:
         super().__init__()
         if dim <= 0:
             raise ValueError(f"dim must be positive, got {dim}")
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
         self.backend = backend or get_backend()
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return self.backend.rms_norm(x, self.weight, self.eps, residual)
+        gain = 1.0 + self.weight.float() if self.unit_offset else self.weight
+        return self.backend.rms_norm(x, gain, self.eps, residual)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

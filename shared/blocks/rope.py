@@ -12,7 +12,10 @@ Prop. 1, "Relative Position Property of RoPE", needs a rotation).
 Frequency schedule theta_i = base^{-2(i-1)/d} (the chapter's equation ROPE FREQ) and the scalings of Remark 10
 ("RoPE in Practice"), numerically identical to Hugging Face transformers' `rope_type`s: "linear" (position
 interpolation), "ntk" (NTK-aware base change), "dynamic" (HF's dynamic NTK: the base grows with the table length),
-"yarn" (Peng et al. 2023) and "llama3".
+"yarn" (Peng et al. 2023), "llama3" and "longrope" (Ding et al. 2024, LongRoPE; Phi-3): per-frequency rescale factors,
+the short set for positions inside the original context and the long set past it, so a position's table row never
+depends on the batch or the sequence it belongs to (transformers switches a whole forward pass to the long set once
+its last position passes the original context, which agrees with this wherever a prompt fits the original context).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SCALING_TYPES = ("linear", "ntk", "dynamic", "yarn", "llama3")
+SCALING_TYPES = ("linear", "ntk", "dynamic", "yarn", "llama3", "longrope")
 
 
 @dataclass(frozen=True)
@@ -45,13 +48,18 @@ class RopeScaling:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+    # longrope: one factor per frequency (D/2 each)
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.type not in SCALING_TYPES:
             raise ValueError(f"type: unknown RoPE scaling {self.type!r}; expected one of {SCALING_TYPES}")
         if self.factor <= 0:
             raise ValueError(f"factor must be positive, got {self.factor}")
-        if self.type in ("dynamic", "yarn", "llama3") and self.original_max_position_embeddings is None:
+        if self.type == "longrope" and not (self.short_factor and len(self.short_factor) == len(self.long_factor)):
+            raise ValueError("short_factor and long_factor: longrope needs both, of equal length (head_dim / 2)")
+        if self.type in ("dynamic", "yarn", "llama3", "longrope") and self.original_max_position_embeddings is None:
             raise ValueError(f"original_max_position_embeddings is required for {self.type!r} scaling")
 
     @classmethod
@@ -63,8 +71,13 @@ class RopeScaling:
         if kind == "default":
             return None
         known = {f.name for f in fields(cls)} - {"type"}
-        kw = {key: val for key, val in d.items() if key in known and val is not None}
+        kw = {key: tuple(val) if isinstance(val, list) else val for key, val in d.items()
+              if key in known and val is not None}
         kw.setdefault("original_max_position_embeddings", max_position_embeddings)
+        if kind == "longrope" and "factor" not in kw:
+            # Phi-3 states the extension as max_position_embeddings / original_max_position_embeddings
+            kw["factor"] = (max_position_embeddings or kw["original_max_position_embeddings"]) / \
+                kw["original_max_position_embeddings"]
         return cls(type=kind, **kw)
 
 
@@ -123,6 +136,13 @@ def _llama3(head_dim: int, theta: float, s: RopeScaling) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _longrope_attention_factor(s: RopeScaling) -> float:
+    """sqrt(1 + ln(s) / ln(L_orig)) for an extension s > 1 (LongRoPE, as Phi-3 uses it), unless the config sets one."""
+    if s.attention_factor is not None:
+        return s.attention_factor
+    return 1.0 if s.factor <= 1 else math.sqrt(1 + math.log(s.factor) / math.log(s.original_max_position_embeddings))
+
+
 def scaled_inv_freq(
     head_dim: int, theta: float = 10000.0, scaling: RopeScaling | None = None, seq_len: int | None = None
 ) -> tuple[torch.Tensor, float]:
@@ -142,6 +162,11 @@ def scaled_inv_freq(
         return rope_inv_freq(head_dim, base), 1.0
     if s.type == "yarn":
         return _yarn(head_dim, theta, s)
+    if s.type == "longrope":
+        long = seq_len is not None and seq_len > s.original_max_position_embeddings
+        factors = torch.tensor(s.long_factor if long else s.short_factor, dtype=torch.float32)
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (factors * theta**exponent), _longrope_attention_factor(s)  # HF's order of operations
     return _llama3(head_dim, theta, s), 1.0
 
 
@@ -159,6 +184,12 @@ def rope_cos_sin(
         scaling = RopeScaling.from_hf(scaling)
     pos = torch.arange(positions) if isinstance(positions, int) else positions
     seq_len = int(pos.max()) + 1 if pos.numel() else 0
+    if scaling is not None and scaling.type == "longrope":
+        short, attn_factor = scaled_inv_freq(head_dim, theta, scaling, None)
+        long, _ = scaled_inv_freq(head_dim, theta, scaling, scaling.original_max_position_embeddings + 1)
+        inside = (pos < scaling.original_max_position_embeddings)[..., None]
+        angles = pos.float()[..., None] * torch.where(inside, short.to(pos.device), long.to(pos.device))
+        return angles.cos() * attn_factor, angles.sin() * attn_factor
     inv_freq, attn_factor = scaled_inv_freq(head_dim, theta, scaling, seq_len)
     angles = pos.float()[..., None] * inv_freq.to(pos.device)  # (P, D/2)
     return angles.cos() * attn_factor, angles.sin() * attn_factor

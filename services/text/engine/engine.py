@@ -82,7 +82,8 @@ class LLMEngine:
         self.model_name = model_name
         mc = self.model.config
         self.max_context = config.max_context or mc.max_position
-        per_block = block_bytes(config.block_size, mc.n_layers, mc.n_kv_heads, mc.head_dim, runner.kv_dtype)
+        heads, width, values_apart = mc.kv_cache_layout
+        per_block = block_bytes(config.block_size, mc.n_layers, heads, width, runner.kv_dtype, values_apart)
         full_context = -(-self.max_context // config.block_size) * per_block
         num_blocks = config.num_blocks or runner.kv_cache_budget(
             config.kv_cache_bytes, config.kv_cache_fraction, full_context) // per_block

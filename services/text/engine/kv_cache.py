@@ -23,11 +23,14 @@ import torch
 from genserve.shared.blocks.kv_cache import kv_cache_bytes
 
 
-def block_bytes(block_size: int, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+def block_bytes(block_size: int, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                values_apart: bool = True) -> int:
     """Bytes of one block of ``block_size`` tokens over every layer, keys and values
-    (Remark 11, "KV Cache Memory Budget", of the chapter "Deep Learning Building Blocks")."""
-    return kv_cache_bytes(n_layers, block_size, n_kv_heads=n_kv_heads, head_dim=head_dim,
+    (Remark 11, "KV Cache Memory Budget", of the chapter "Deep Learning Building Blocks"); ``values_apart`` False for
+    a cache whose entries serve as keys and values both (MLA's latent)."""
+    both = kv_cache_bytes(n_layers, block_size, n_kv_heads=n_kv_heads, head_dim=head_dim,
                           bytes_per_value=torch.empty((), dtype=dtype).element_size())
+    return both if values_apart else both // 2
 
 
 def block_hash(parent: bytes, tokens: list[int]) -> bytes:

@@ -71,7 +71,7 @@ class FusedDecodeStep:
                 bq=_fp32(attn.q_proj.bias), bk=_fp32(attn.k_proj.bias), bv=_fp32(attn.v_proj.bias),
                 wg=_weight(mlp.gate_proj), wu=_weight(mlp.up_proj), wd=_weight(mlp.down_proj),
                 n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, eps=cfg.norm_eps,
-                scale=attn.sm_scale, window=cfg.sliding_window))
+                scale=attn.sm_scale, window=layer.window))
         self.kernel = cpu_decode_step.StepKernel(
             layers, embed=model.model.embed_tokens.weight.detach(), norm=_fp32(model.model.norm.weight),
             eps=model.model.norm.eps, head=_weight(model.lm_head), n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
@@ -85,7 +85,7 @@ class FusedDecodeStep:
         if not isinstance(model, LlamaForCausalLM):
             return False
         cfg, head = model.config, model.lm_head
-        if cfg.gated_attention or cfg.parallel_block or cfg.n_experts:
+        if cfg.gated_attention or cfg.parallel_block or cfg.n_experts or not _llama_shaped(cfg):
             return False
         if not _fused_matrix(head) or head.bias is not None or \
                 model.model.embed_tokens.weight.dtype not in (torch.float32, torch.bfloat16):
@@ -95,6 +95,7 @@ class FusedDecodeStep:
             projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, layer.mlp.gate_proj,
                            layer.mlp.up_proj, layer.mlp.down_proj) if isinstance(layer.mlp, SwiGLU) else ()
             if (attn.rope_interleaved or attn.o_proj.bias is not None or not projections
+                    or layer.mlp.activation != "silu"
                     or not all(map(_fused_matrix, projections))):
                 return False
         return True
@@ -117,6 +118,14 @@ class FusedDecodeStep:
             raise ValueError("the fused decode step runs decode-only batches; prefill chunks go through forward_paged")
         return self.kernel.greedy(steps, batch.input_ids, batch.positions, batch.slots, batch.decode_tables,
                                   batch.decode_lens, self.cos, self.sin, k_caches, v_caches).tolist()
+
+
+def _llama_shaped(cfg) -> bool:
+    """The layer the fused kernel computes: one RMSNorm before each sublayer, plain softmax attention with one RoPE
+    table and rotate-half pairs, SwiGLU; per-layer windows and any softmax scale are fine."""
+    return not (cfg.mla or cfg.qk_norm or cfg.attn_softcap or cfg.final_softcap or cfg.attention_sinks
+                or cfg.norm_unit_offset or cfg.sandwich_norm or cfg.embed_scale or cfg.rope_local_theta
+                or cfg.hidden_act != "silu" or cfg.rope_interleaved)
 
 
 def _memory_available() -> int:
@@ -156,9 +165,11 @@ class CpuRunner:
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         cfg = self.model.config
-        shape = (num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
+        heads, width, values_apart = cfg.kv_cache_layout
+        shape = (num_blocks, block_size, heads, width)
         self.k_caches = [torch.zeros(shape, dtype=self.kv_dtype) for _ in range(cfg.n_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=self.kv_dtype) for _ in range(cfg.n_layers)]
+        # MLA's one cache is its keys and its values (mla.py)
+        self.v_caches = [torch.zeros(shape, dtype=self.kv_dtype) if values_apart else k for k in self.k_caches]
 
     def max_steps(self, n_tokens: int) -> int:
         return self.max_lookahead if self.fused is not None and n_tokens <= FUSED_MAX_TOKENS else 1

@@ -145,9 +145,12 @@ class CudaRunner:
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         cfg = self.model.config
         # One block past the engine's: the sink that padded graph rows read and write.
-        shape = (num_blocks + 1, block_size, cfg.n_kv_heads, cfg.head_dim)
+        heads, width, values_apart = cfg.kv_cache_layout
+        shape = (num_blocks + 1, block_size, heads, width)
         self.k_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(cfg.n_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(cfg.n_layers)]
+        # MLA's one cache is its keys and its values (mla.py)
+        self.v_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) if values_apart else k
+                         for k in self.k_caches]
         max_blocks = -(-cfg.max_position // block_size)
         try:
             self.graphs = DecodeGraphs(self.model, self.k_caches, self.v_caches, max_batch=self.max_running,
