@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from genserve.services.diffusion.edits import Inpainting
 from genserve.services.diffusion.guidance import combine
 from genserve.services.diffusion.schedulers import Scheduler
 from genserve.shared.blocks.cross_attention import ContextCache
@@ -31,6 +32,7 @@ class Denoising:
     scaling_factor: float
     index: int = 0  # steps done
     shift_factor: float = 0.0  # latents are (z - shift) * scale (SD3, Flux)
+    inpainting: Inpainting | None = None  # the image's latents outside the mask are kept (services/diffusion/edits.py)
 
     @property
     def images(self) -> int:
@@ -69,6 +71,8 @@ class Denoising:
         guided = combine(out, self.passes, self.guidance_scale, self.guidance, self.negative_weight)
         self.latents = self.sampler.step(guided, self.index, self.latents, generator=self.generator)
         self.index += 1
+        if self.inpainting is not None:
+            self.latents = self.inpainting.blend(self.sampler, self.latents, self.index, self.steps)
 
     def unscaled(self) -> torch.Tensor:
         """The latents in the VAE's own space (what ``on_step`` and the decoder see)."""

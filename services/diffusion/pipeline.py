@@ -20,6 +20,7 @@ import torch
 
 from genserve.services.diffusion.components import DiffusionComponents
 from genserve.services.diffusion.denoising import Denoising
+from genserve.services.diffusion.edits import Inpainting, Posterior, add_noise, latent_mask, start_index
 from genserve.services.diffusion.flow_match import FlowMatchEulerScheduler
 from genserve.services.diffusion.flux_folder import PIPELINE_CLASS as FLUX_CLASS
 from genserve.services.diffusion.flux_folder import load_flux_components
@@ -171,9 +172,14 @@ class DiffusionPipeline:
         width: int | None = None,
         guidance: str | None = None,
         negative_weight: float | None = None,
+        init: Posterior | None = None,
+        strength: float = 1.0,
+        mask: torch.Tensor | None = None,
     ) -> Denoising:
         """One request, validated, its text encoded and its noise drawn, before its first step (the arguments are
-        ``generate``'s)."""
+        ``generate``'s). ``init`` (the VAE's posterior of an image at the request's size) makes it image-to-image
+        from ``strength``; ``mask`` (1 or N, 1, H, W) in [0, 1], 1 = repaint, with ``init`` makes it inpainting
+        (services/diffusion/edits.py)."""
         scheduler = scheduler or self.model.default_scheduler
         guidance = guidance or self.model.default_guidance
         negative_weight = self.model.default_negative_weight if negative_weight is None else negative_weight
@@ -190,13 +196,43 @@ class DiffusionPipeline:
         generator = torch.Generator().manual_seed(resolve_seed(seed))
         sampler = self.make_sampler(scheduler, eta, size)
         timesteps = sampler.set_timesteps(steps)
-        # Noise is drawn on the CPU generator so a seed gives the same latents on every device.
-        noise = torch.randn((n, *self.latent_shape_for(*size)), generator=generator)
-        latents = noise.to(self.device) * sampler.init_noise_sigma
+        shape = (n, *self.latent_shape_for(*size))
+        start, inpainting = 0, None
+        if init is None:
+            if mask is not None:
+                raise ValueError("mask: inpainting needs an init_image")
+            # Noise is drawn on the CPU generator so a seed gives the same latents on every device.
+            latents = torch.randn(shape, generator=generator).to(self.device) * sampler.init_noise_sigma
+        else:
+            start = start_index(steps, strength, self.model.flow is not None)
+            latents, inpainting = self._edit_start(init, mask, shape, size, sampler, generator, start, strength)
         # Like the text, the timesteps are known before the first step: embed them all in one batch.
         tembs = self.model.unet.time_embed(timesteps.to(self.device), latents.dtype)  # (steps, temb_dim)
         return Denoising(latents, sampler, timesteps.to(self.device), tembs, cache, guidance, guidance_scale,
-                         negative_weight, generator, self.model.scaling_factor, shift_factor=self.model.shift_factor)
+                         negative_weight, generator, self.model.scaling_factor, index=start,
+                         shift_factor=self.model.shift_factor, inpainting=inpainting)
+
+    def _edit_start(self, init: Posterior, mask: torch.Tensor | None, shape: tuple[int, ...], size: tuple[int, int],
+                    sampler, generator: torch.Generator, start: int, strength: float
+                    ) -> tuple[torch.Tensor, Inpainting | None]:
+        """The first latents of an edit: the image's posterior sample, scaled and noised to step ``start``; with a
+        mask, also what the blending needs. Draws in diffusers' order (edits.py)."""
+        n = shape[0]
+        for name, value, channels in (("init_image", init.mean, shape[1]), ("mask", mask, 1)):
+            if value is None:
+                continue
+            hw = shape[2:] if name == "init_image" else size
+            if value.dim() != 4 or value.shape[0] not in (1, n) or tuple(value.shape[1:]) != (channels, *hw):
+                raise ValueError(f"{name}: expected (1 or {n}, {channels}, {hw[0]}, {hw[1]}), got {tuple(value.shape)}")
+        x0 = init.sample(generator)  # (1 or N, C, h, w)
+        x0 = (torch.cat([x0] * (n // x0.shape[0])) - self.model.shift_factor) * self.model.scaling_factor
+        noise = torch.randn(shape, generator=generator).to(self.device)
+        if mask is None:
+            return add_noise(sampler, x0, noise, start), None
+        torch.randn(init.mean.shape, generator=generator)  # diffusers samples the masked image's posterior here
+        m = latent_mask(mask.to(self.device, x0.dtype), shape[2:])
+        latents = noise * sampler.init_noise_sigma if strength == 1.0 else add_noise(sampler, x0, noise, start)
+        return latents, Inpainting(x0, noise, torch.cat([m] * (n // m.shape[0])))
 
     def encode_context(self, texts: list[str]) -> ContextCache:
         """The denoiser's context for these texts: TextConditioning for a DiT, else the encoder's states."""
