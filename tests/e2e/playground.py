@@ -63,6 +63,16 @@ def screenshots_wanted() -> bool:
     return os.environ.get("GENSERVE_SCREENSHOTS") == "1"
 
 
+def assert_fits_a_phone(page: Any) -> None:
+    """At 375 px nothing scrolls sideways: the page's width is the screen's."""
+    page.set_viewport_size(PHONE)
+    try:
+        width = page.evaluate("document.documentElement.scrollWidth")
+        assert width <= PHONE["width"], f"the page is {width} px wide at {PHONE['width']} px"
+    finally:
+        page.set_viewport_size(DESKTOP)
+
+
 def screenshot(page: Any, name: str) -> None:
     """docs/img/playground-<name>-{desktop,375}.png of the page as it is, when GENSERVE_SCREENSHOTS=1."""
     if not screenshots_wanted():
@@ -72,6 +82,27 @@ def screenshot(page: Any, name: str) -> None:
         page.wait_for_timeout(150)  # one layout pass at the new width
         page.screenshot(path=str(SHOTS / f"playground-{name}-{label}.png"), full_page=True)
     page.set_viewport_size(DESKTOP)
+
+
+# Records the page's renders of the answer being streamed, and whether the stream had ended at each one.
+WATCH_ANSWER = """() => {
+  window.renders = [];
+  new MutationObserver(() => {
+    const last = document.querySelector('.message.assistant:last-child');
+    if (last) window.renders.push({text: last.querySelector('.content').textContent, state: last.dataset.state});
+  }).observe(document.getElementById('conversation'), {childList: true, subtree: true, characterData: true});
+}"""
+
+
+def watch_answer(page: Any) -> None:
+    """Start recording the renders of the next answer (read with `partial_renders`)."""
+    page.evaluate(WATCH_ANSWER)
+
+
+def partial_renders(page: Any, final: str) -> set[str]:
+    """The distinct texts the answer showed while it streamed, before it became `final`."""
+    renders = page.evaluate("window.renders")
+    return {r["text"] for r in renders if r["state"] == "streaming" and r["text"] and r["text"] != final}
 
 
 def ask(page: Any, text: str) -> None:

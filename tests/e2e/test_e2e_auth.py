@@ -26,10 +26,12 @@ from genserve.services.client import Client
 from genserve.services.client import errors as client_errors
 from genserve.services.common.auth import BAD_KEY
 from genserve.services.common.deploy_config import LOCAL_PATH
+from tests.e2e.playground import ask, chromium, page_at, wait_ready
 
 pytestmark = pytest.mark.e2e
 
 PLAIN, HASHED, GAN_LIMITED, TEXT_LIMITED, HTTP_LIMITED = "e2e-plain-key", "e2e-hashed-key", "gan-k", "text-k", "http-k"
+BROWSER = "browser-k"  # the playground's (tests/e2e/playground.py): a bucket of its own under the http limit
 APPS = ("text", "gan", "http", "health")
 LIMITS = {
     "gan": {"requests_per_minute": 20, "requests_burst": 2},
@@ -50,7 +52,8 @@ def keyed(serve, base_port: int, tmp_path_factory: pytest.TempPathFactory) -> It
         if app["name"] in LIMITS:
             app["args"]["rate_limits"] = LIMITS[app["name"]]
     (folder / "serve_config.yaml").write_text(yaml.safe_dump(config))
-    env = {"GENSERVE_API_KEYS_FILE": str(keys), "GENSERVE_API_KEYS": f"{GAN_LIMITED},{TEXT_LIMITED},{HTTP_LIMITED}"}
+    env = {"GENSERVE_API_KEYS_FILE": str(keys),
+           "GENSERVE_API_KEYS": f"{GAN_LIMITED},{TEXT_LIMITED},{HTTP_LIMITED},{BROWSER}"}
     with serve(base_port + 50, folder / "serve.log", "--config", str(folder / "serve_config.yaml"), env=env) as stack:
         yield stack
 
@@ -79,8 +82,8 @@ def test_grpc_with_a_plain_or_a_hashed_key_is_served(keyed, key: str) -> None:
 
 def test_the_log_says_keys_are_required_and_never_shows_one(keyed) -> None:
     log = keyed.log.read_text(errors="replace")
-    assert "auth: API keys required (5 configured)" in log
-    assert not any(key in log for key in (PLAIN, HASHED, GAN_LIMITED, TEXT_LIMITED, HTTP_LIMITED))
+    assert "auth: API keys required (6 configured)" in log
+    assert not any(key in log for key in (PLAIN, HASHED, GAN_LIMITED, TEXT_LIMITED, HTTP_LIMITED, BROWSER))
 
 
 def test_health_needs_no_key(keyed) -> None:
@@ -155,3 +158,19 @@ def test_http_request_limit_is_429_with_retry_after_then_serves(keyed) -> None:
         assert limited.value.body["code"] == "rate_limit_exceeded"
         time.sleep(retry_after)
         assert {m.id for m in api.models.list()} == {"text", "diffusion"}
+
+
+def test_the_playground_asks_for_a_key_and_works_with_it(keyed) -> None:
+    """Within the http app's burst of 3: the settings and the models once the key is given, then one answer."""
+    with chromium() as browser, page_at(browser, f"http://127.0.0.1:{keyed.http_port}/") as page:
+        dialog = page.get_by_role("dialog", name="This server needs an API key")
+        dialog.wait_for()
+        assert BAD_KEY in dialog.get_by_role("alert").text_content()  # the server's 401 message
+        dialog.get_by_label("API key").fill(BROWSER)
+        dialog.get_by_role("button", name="Use key").click()
+        wait_ready(page)
+        page.get_by_role("spinbutton", name="Max tokens").fill("4")
+        ask(page, "Say hi")
+        assert page.locator(".message.assistant:last-child").get_attribute("data-state") == "done"
+        assert page.evaluate("[sessionStorage.getItem('genserve.apiKey'), localStorage.getItem('genserve.apiKey')]"
+                             ) == [BROWSER, None]  # kept for the session only: "remember" was not ticked

