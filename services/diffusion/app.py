@@ -6,8 +6,9 @@ passes share one U-Net call per step, and each reports its own steps through a q
 (and optional previews) while the loop runs. The loop's row budget and first wait are serve-config args
 (`max_step_rows`, `batch_wait_s`, docs/deploy.md). The final latents go to the `vae` application's
 `Decode` through a deployment handle as raw bytes with dtype and shape, the same Tensor message a gRPC client
-sends. The model is the committed demo or a Stable-Diffusion- or SD3-format diffusers folder
-(GENSERVE_DIFFUSION_MODEL).
+sends. The model is the committed demo or a Stable-Diffusion-, SD3- or Flux-format diffusers folder
+(GENSERVE_DIFFUSION_MODEL). An edit (init_image, optionally a mask) is encoded by the `vae` application's `Encode`
+first; its posterior starts the loop (services/diffusion/edits.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 from grpc_health.v1 import health_pb2
+from PIL import Image as PILImage
 from pydantic import Field
 from ray import serve
 from ray.serve.deployment import Application
@@ -31,10 +33,12 @@ from genserve.services.common.builder import AppArgs, build_app, handle_to
 from genserve.services.common.device import serving_device, use_torch_threads
 from genserve.services.common.errors import InvalidArgument
 from genserve.services.common.gate import Gate
-from genserve.services.common.images import image_messages, tensor_message
+from genserve.services.common.images import image_messages, tensor_from_message, tensor_message
 from genserve.services.common.metrics import ServiceMetrics
 from genserve.services.common.rpc import streaming, unary, unknown_rpcs
 from genserve.services.common.validation import parse
+from genserve.services.diffusion.edit_inputs import edit_inputs, png_bytes
+from genserve.services.diffusion.edits import Posterior
 from genserve.services.diffusion.pipeline import DiffusionPipeline
 from genserve.services.diffusion.schema import KNOWN_ERRORS, MAX_REQUEST_ROWS, DiffusionIn
 from genserve.services.diffusion.step_batcher import StepBatcher
@@ -83,13 +87,18 @@ class Diffusion:
     async def _events(self, request: diffusion_pb2.DiffusionRequest) -> AsyncIterator[diffusion_pb2.DiffusionEvent]:
         """Progress and preview events while the loop runs in a thread, then the decoded images (last event)."""
         req = parse(DiffusionIn, request)
-        height, width = req.height or self.pipe.model.native_size[0], req.width or self.pipe.model.native_size[1]
+        image = mask = None
+        if req.init_image:  # an edit: the output size defaults to the image's
+            image, mask, (height, width) = edit_inputs(req.init_image, req.mask, req.height, req.width)
+        else:
+            height, width = req.height or self.pipe.model.native_size[0], req.width or self.pipe.model.native_size[1]
         problem = self.pipe.size_error(height, width) or self.pipe.option_error(req.scheduler)
         if problem is not None:
             raise InvalidArgument(*problem)
         if req.preview_every and self.pipe.model.preview is None:
             raise InvalidArgument("preview_every", "this model has no preview; use 0")
         seed = resolve_seed(req.seed)
+        init = None if image is None else await self._encode(image)
         loop, queue, cancel = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
         start = time.perf_counter()
 
@@ -106,6 +115,7 @@ class Diffusion:
                 [req.prompt] * req.num_images, [req.negative_prompt] * req.num_images, steps=req.steps,
                 guidance_scale=req.guidance_scale, seed=seed, scheduler=req.scheduler or None, eta=req.eta,
                 height=height, width=width, guidance=req.guidance or None, negative_weight=req.negative_weight,
+                init=init, strength=req.edit_strength, mask=mask,
             )
             return self.batcher.submit(state, on_step, cancel.is_set)
 
@@ -127,6 +137,16 @@ class Diffusion:
         images.seed = seed
         self.metrics.images("Generate", len(images.images))
         yield diffusion_pb2.DiffusionEvent(result=images)
+
+    async def _encode(self, image: PILImage.Image) -> Posterior:
+        """The `vae` application's posterior of an edit's init image (the diffusion loop samples it with the
+        request's seed, in diffusers' order: services/diffusion/edits.py)."""
+        request = vae_pb2.EncodeRequest(images=[common_pb2.Image(png=png_bytes(image), width=image.width,
+                                                                 height=image.height)])
+        encoded = await self._decoder().Encode.remote(request)
+        device = self.pipe.device
+        return Posterior(tensor_from_message(encoded.mean, "mean").to(device),
+                         tensor_from_message(encoded.logvar, "logvar").to(device))
 
     @unary(diffusion_pb2.DiffusionRequest, common_pb2.ImagesResponse)
     async def Generate(self, request: diffusion_pb2.DiffusionRequest) -> common_pb2.ImagesResponse:

@@ -24,6 +24,8 @@ from genserve.shared.seeds import MAX_SEED
 
 # One request holds a slot in the loop for all its steps; a small batch keeps the queue moving.
 MAX_IMAGES = 8
+# An edit's init_image and mask, each (PNG or JPEG, at most 1024x1024 pixels: services/diffusion/edit_inputs.py).
+MAX_EDIT_BYTES = 8 * 1024 * 1024
 # U-Net rows of the largest request: MAX_IMAGES images × 3 passes (Perp-Neg with a negative prompt).
 MAX_REQUEST_ROWS = 3 * MAX_IMAGES
 
@@ -45,6 +47,21 @@ class DiffusionIn(Request):
     height: int | None = Field(None, ge=1)
     guidance: str = ""
     negative_weight: float | None = Field(None, ge=0, le=MAX_NEGATIVE_WEIGHT, allow_inf_nan=False)
+    init_image: bytes = Field(b"", max_length=MAX_EDIT_BYTES)
+    strength: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    mask: bytes = Field(b"", max_length=MAX_EDIT_BYTES)
+
+    @field_validator("strength", "mask")
+    @classmethod
+    def _edit_needs_an_image(cls, value: float | bytes | None, info: ValidationInfo) -> float | bytes | None:
+        if value not in (b"", None) and not info.data.get("init_image"):
+            raise ValueError("needs an init_image (image-to-image and inpainting start from one)")
+        return value
+
+    @property
+    def edit_strength(self) -> float:
+        """The request's strength, else diffusers' default: 1.0 for inpainting, 0.8 for image-to-image."""
+        return self.strength if self.strength is not None else (1.0 if self.mask else 0.8)
 
     @field_validator("guidance", "scheduler")
     @classmethod

@@ -4,6 +4,7 @@
     POST /v1/completions            text completions, unary or streamed (server-sent events ending in [DONE])
     POST /v1/chat/completions       chat (the text service applies the model's chat template), unary or streamed
     POST /v1/images/generations     text-to-image, PNGs as b64_json
+    POST /v1/images/edits           image-to-image and inpainting (multipart: image, mask, prompt, ...), b64_json
     GET  /openapi.json              the schema of all of these (what schemathesis fuzzes)
 
 Every route first admits its caller (services/common/gate.py): the `authorization: Bearer <key>` header (what the
@@ -231,6 +232,23 @@ class OpenAIApi:
     async def images_generations(self, body: ImageBody, request: Request) -> Response:
         ticket = self._admit(request)
         return await self._respond(self._images(body, ticket), images.FIELDS, IMAGE_ERRORS)
+
+    @api.post("/v1/images/edits", responses=ERRORS)
+    async def images_edits(self, request: Request) -> Response:
+        """Image-to-image and inpainting (multipart, OpenAI's shape: services/http/images.py)."""
+        ticket = self._admit(request)
+        return await self._respond(self._image_edits(request, ticket), images.EDIT_FIELDS, IMAGE_ERRORS)
+
+    async def _image_edits(self, request: Request, ticket: Ticket) -> Response:
+        edit = await images.edit_request(await request.form())
+        response = self._handle("diffusion").Generate.remote(edit)
+        try:
+            reply = await response
+        except BaseException:
+            response.cancel()
+            raise
+        ticket.charge(reply)
+        return JSONResponse(images.images_reply(reply))
 
     # ---- text ---------------------------------------------------------------------------------------------
     async def _text(self, body: ChatBody | CompletionBody, ticket: Ticket, chat: bool) -> Response:
