@@ -49,9 +49,10 @@ browser:
 		{ apt-get update -q && apt-get install -y -q chromium; }; }
 
 # The playground's screenshots (docs/img/playground-*.png: each tab at 1280 px and at 375 px), taken by its browser
-# tests on a fresh local stack.
-screenshots: $(STAMP) browser
-	GENSERVE_SCREENSHOTS=1 $(PY) -P -m pytest -q tests/e2e/test_e2e_playground.py
+# tests on fresh local stacks (the chat on the default model's).
+screenshots: $(STAMP) default-model browser
+	GENSERVE_SCREENSHOTS=1 $(PY) -P -m pytest -q tests/e2e/test_e2e_playground.py \
+		tests/e2e/test_e2e_chat_smollm2.py::test_the_playground_streams_paris_from_the_default_model
 
 protos: $(STAMP)
 	$(PY) protos/generate.py

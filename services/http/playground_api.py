@@ -45,7 +45,7 @@ from genserve.services.diffusion.schema import GUIDANCE_MODES, SCHEDULERS, Diffu
 from genserve.services.http import images
 from genserve.services.http.errors import describe
 from genserve.services.http.schemas import Body, ImageBody
-from genserve.services.text.schema import TextIn
+from genserve.services.text.schema import DEFAULT_MAX_TOKENS, TextIn
 from genserve.shared.seeds import MAX_SEED
 from genserve.v1 import common_pb2, gan_pb2, text_pb2, vae_pb2
 
@@ -136,6 +136,7 @@ def _defaults(schema: type[BaseModel], names: tuple[str, ...]) -> dict[str, Any]
 
 def settings() -> dict[str, Any]:
     text = _defaults(TextIn, ("temperature", "top_p", "max_tokens", "seed"))
+    text["max_tokens"]["default"] = DEFAULT_MAX_TOKENS  # what an unset max_tokens gets (less near the context's end)
     diffusion = _defaults(DiffusionIn, ("steps", "guidance_scale", "seed", "num_images"))
     return {"text": text, "diffusion": {**diffusion, "schedulers": list(SCHEDULERS), "guidance": list(GUIDANCE_MODES)}}
 

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from genserve.services.common.errors import InvalidArgument
 from genserve.services.diffusion.schema import SCHEDULERS, DiffusionIn
 from genserve.services.http import playground_api
-from genserve.services.text.schema import MAX_TOKENS, TextIn
+from genserve.services.text.schema import DEFAULT_MAX_TOKENS, MAX_TOKENS, TextIn
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_every_module_the_page_imports_ships(http) -> None:
 def test_the_settings_are_the_services_own_defaults_and_limits() -> None:
     settings = playground_api.settings()
     assert settings["text"]["temperature"] == {"default": TextIn.model_fields["temperature"].default, "ge": 0, "le": 2}
-    assert settings["text"]["max_tokens"] == {"default": None, "ge": 1, "le": MAX_TOKENS}
+    assert settings["text"]["max_tokens"] == {"default": DEFAULT_MAX_TOKENS, "ge": 1, "le": MAX_TOKENS}
     assert settings["text"]["top_p"] == {"default": 1.0, "gt": 0, "le": 1}
     assert settings["diffusion"]["steps"]["default"] == DiffusionIn.model_fields["steps"].default
     assert settings["diffusion"]["steps"]["ge"] == 1
