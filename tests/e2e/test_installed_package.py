@@ -143,6 +143,13 @@ def test_the_wheel_ships_the_kernel_sources_and_the_weights(installed: Path) -> 
         assert list((installed / "genserve" / "services" / service / "weights").glob("*.safetensors")), service
 
 
+def test_the_wheel_ships_the_playground(installed: Path) -> None:
+    """Every file of the browser playground (services/http/playground/) is package data: the page needs no checkout."""
+    shipped = {p.name for p in (installed / "genserve" / "services" / "http" / "playground").iterdir()}
+    assert shipped == {p.name for p in (ROOT / "services" / "http" / "playground").iterdir()}
+    assert "index.html" in shipped and "app.js" in shipped
+
+
 def test_installed_package_generates_text_on_c_kernels_and_decodes_a_diffusion_image(
     installed: Path, tmp_path: Path
 ) -> None:
