@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -109,6 +110,26 @@ def test_stop_in_mid_answer_frees_the_kv_blocks_on_the_server(page, client: Clie
     assert page.locator(".message.assistant:last-child .stats").text_content().startswith("stopped")
 
 
+def test_json_schema_mode_answers_in_the_schema_and_regenerate_replaces_the_answer(page) -> None:
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+              "additionalProperties": False}
+    page.get_by_role("checkbox", name="JSON-schema mode").check()
+    page.get_by_role("textbox", name="JSON schema").fill(json.dumps(schema))
+    page.get_by_role("spinbutton", name="Max tokens").fill("150")
+    ask(page, "Is the sea blue?")
+    answers = []
+    for _ in range(2):
+        kept = page.evaluate("JSON.parse(localStorage.getItem('genserve.chat')).messages")
+        assert [m["role"] for m in kept] == ["user", "assistant"]
+        assert kept[-1]["note"].endswith("stop"), kept[-1]
+        answers.append(json.loads(kept[-1]["content"]))
+        assert set(answers[-1]) == {"answer"} and answers[-1]["answer"] in ("yes", "no")
+        if len(answers) == 1:
+            page.get_by_role("button", name="Regenerate").click()
+            page.wait_for_selector(".message.assistant:last-child:not([data-state=streaming])")
+    assert page.locator(".message.assistant").count() == 1
+
+
 def test_html_in_a_message_or_an_answer_stays_text(page) -> None:
     hostile = '<b>bold</b><script>window.pwned = 1</script><img src=x onerror="window.pwned = 2">'
     page.get_by_role("textbox", name="Message").fill(hostile)
@@ -162,6 +183,17 @@ def test_an_invalid_setting_shows_the_servers_message_next_to_it(page, stack) ->
     assert served.status_code == 400
     assert error.text_content() == f"400: {served.json()['error']['message']}"
     assert form.get_by_role("spinbutton", name="Steps").get_attribute("aria-invalid") == "true"
+    page.get_by_role("tab", name="Chat").click()
+    page.get_by_role("spinbutton", name="Temperature").fill("3")
+    page.get_by_role("textbox", name="Message").fill("Hello")
+    page.get_by_role("button", name="Send").click()
+    chat_error = page.locator("#temperature-error")
+    chat_error.wait_for()
+    body = {"model": "text", "messages": [{"role": "user", "content": "Hello"}], "temperature": 3}
+    served = httpx.post(f"{stack.http_url}/chat/completions", json=body, timeout=60).json()["error"]
+    assert served["param"] == "temperature" and chat_error.text_content() == f"400: {served['message']}"
+    assert page.locator(".message").count() == 0  # a refused question leaves no empty answer, and goes back
+    assert page.get_by_role("textbox", name="Message").input_value() == "Hello"
 
 
 def test_a_gan_seed_walk_shows_its_frames(page) -> None:

@@ -108,7 +108,7 @@ function stats(started, firstAt, endedAt, tokens) {
 }
 
 /** Streams the answer to the conversation as it is into a new assistant message. */
-async function answer() {
+async function answer(fromBox = false) {
   clearErrors(FIELDS, "message-error");
   let request;
   try {
@@ -155,7 +155,11 @@ async function answer() {
     } else {
       reply.note = "failed";
       view.dataset.state = "failed";
-      if (!reply.content) conversation.pop();
+      if (!reply.content) {
+        conversation.pop();
+        // A refused question goes back into the box, to be sent again once the setting is fixed.
+        if (fromBox && conversation.at(-1)?.role === "user") $("message").value = conversation.pop().content;
+      }
       showError(error, FIELDS, "message-error");
     }
   } finally {
@@ -175,7 +179,7 @@ async function send() {
   $("message").value = "";
   save();
   show();
-  await answer();
+  await answer(true);
 }
 
 async function regenerate() {
