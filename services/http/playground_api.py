@@ -43,7 +43,7 @@ from genserve.services.common.health import ServeStatusCache
 from genserve.services.diffusion.params import MAX_STEPS
 from genserve.services.diffusion.schema import GUIDANCE_MODES, SCHEDULERS, DiffusionIn
 from genserve.services.http import images
-from genserve.services.http.errors import describe
+from genserve.services.http.errors import ModelNotFound, describe
 from genserve.services.http.schemas import Body, ImageBody
 from genserve.services.text.schema import DEFAULT_MAX_TOKENS, TextIn
 from genserve.shared.seeds import MAX_SEED
@@ -253,6 +253,8 @@ class Playground:
         return JSONResponse(images_json(reply))
 
     async def image_stream(self, body: ImageStreamBody, ticket: Ticket, request_id: Callable[[], str]) -> Response:
+        if body.model not in (None, "diffusion"):
+            raise ModelNotFound(body.model, "/api/images/stream")
         request = images.diffusion_request(body, await self.image_size())
         request.preview_every = body.preview_every
         stream = self.handle("diffusion").options(stream=True).GenerateStream.remote(request)

@@ -132,9 +132,9 @@ def test_json_schema_mode_answers_in_the_schema_and_regenerate_replaces_the_answ
 
 def test_html_in_a_message_or_an_answer_stays_text(page) -> None:
     hostile = '<b>bold</b><script>window.pwned = 1</script><img src=x onerror="window.pwned = 2">'
-    page.get_by_role("textbox", name="Message").fill(hostile)
     page.get_by_role("spinbutton", name="Max tokens").fill("4")
-    page.get_by_role("button", name="Send").click()
+    page.get_by_role("textbox", name="Message").fill(hostile)
+    page.get_by_role("textbox", name="Message").press("Enter")  # Enter sends (Shift+Enter would break the line)
     page.wait_for_selector(".message.assistant:last-child:not([data-state=streaming])")
     user = page.locator(".message.user .content").last
     assert user.text_content() == hostile
@@ -170,6 +170,10 @@ def test_an_image_shows_preview_frames_before_the_final_png(page) -> None:
     assert "step 8" in page.get_by_role("img", name="Denoising preview", exact=False).get_attribute("alt")
     size = page.evaluate("(img) => [img.naturalWidth, img.naturalHeight]", final.element_handle())
     assert size == [32, 32]
+    form.get_by_role("button", name="Python").click()
+    snippet = form.get_by_label("Image request as code").text_content()
+    compile(snippet, "snippet.py", "exec")  # the openai SDK call is valid Python
+    assert 'prompt="a large red circle"' in snippet and '"seed": 5' in snippet and '"steps": 8' in snippet
 
 
 def test_an_invalid_setting_shows_the_servers_message_next_to_it(page, stack) -> None:
@@ -236,7 +240,11 @@ def test_a_vae_upload_shows_the_image_and_its_reconstruction(page, tmp_path) -> 
 
 
 def test_the_models_panel_shows_each_service_and_live_kv_blocks(page, client: Client) -> None:
-    page.get_by_role("tab", name="Models").click()
+    page.get_by_role("tab", name="Chat").focus()
+    page.keyboard.press("ArrowRight")
+    page.keyboard.press("ArrowRight")  # the tabs follow the arrow keys
+    assert page.get_by_role("tab", name="Models").get_attribute("aria-selected") == "true"
+    assert page.evaluate("document.activeElement.id") == "tab-models"
     text = page.get_by_role("region", name="Text (chat)")
     text.get_by_text("KV blocks used").wait_for()
     info = client.model_info()

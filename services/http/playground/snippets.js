@@ -43,11 +43,9 @@ export function pythonChat(body, hasKey) {
 
 /** The image body as client.images.generate(...), genserve's extras in extra_body. */
 export function pythonImages(body, hasKey) {
-  const { prompt, n, size, seed, ...extra } = body;
-  const known = { n, size, seed };
-  const args = Object.entries(known).filter(([, v]) => v !== undefined)
-    .map(([k, v]) => `    ${k === "seed" ? "extra_body" : k}=${k === "seed" ? python({ seed: v, ...extra }, "    ") : python(v)},\n`);
-  if (seed === undefined && Object.keys(extra).length) args.push(`    extra_body=${python(extra, "    ")},\n`);
+  const { prompt, n, size, ...extra } = body;
+  const args = Object.entries({ n, size }).filter(([, v]) => v !== undefined).map(([k, v]) => `    ${k}=${python(v)},\n`);
+  if (Object.keys(extra).length) args.push(`    extra_body=${python(extra, "    ")},\n`);
   return `import base64\n${client(hasKey)}result = client.images.generate(\n    model="diffusion",\n`
     + `    prompt=${python(prompt)},\n${args.join("")})\n`
     + "for i, image in enumerate(result.data):\n"
