@@ -40,8 +40,7 @@ from starlette.exceptions import HTTPException
 from genserve.services.common.errors import InvalidArgument
 from genserve.services.common.gate import Ticket
 from genserve.services.common.health import ServeStatusCache
-from genserve.services.diffusion.params import MAX_STEPS
-from genserve.services.diffusion.schema import GUIDANCE_MODES, SCHEDULERS, DiffusionIn
+from genserve.services.diffusion.schema import GUIDANCE_MODES, MAX_STEPS, SCHEDULERS, DiffusionIn
 from genserve.services.http import images
 from genserve.services.http.errors import ModelNotFound, describe
 from genserve.services.http.schemas import Body, ImageBody
