@@ -91,22 +91,26 @@ def generic_instructions(tools: list[ToolSpec], choice: str) -> str:
         how = f"Respond with a JSON object that calls the tools: {calls}"
     else:
         how = (f'Respond with a JSON object: either {calls} to call tools, or {{"response": "<your answer>"}} to '
-               "answer the user directly")
+               "answer the user directly. Once a tool has answered, use its result in your response instead of "
+               "calling it again")
     return f"You can call these tools:\n{listed}\n\n{how}."
 
 
 def generic_messages(messages: list[dict[str, Any]], tools: list[ToolSpec], choice: str) -> list[dict[str, Any]]:
     """The conversation for a template without tools: the tools in the system message, the assistant's calls and
     answers as the JSON it is asked to write, each tool result as a user turn that names its tool."""
-    out = []
+    out, names = [], {}
     for m in messages:
+        names |= {c["id"]: c["name"] for c in m.get("tool_calls") or ()}
         if m["role"] == "assistant" and m.get("tool_calls"):
             calls = [{"name": c["name"], "arguments": json.loads(c["arguments"] or "{}")} for c in m["tool_calls"]]
             out.append({"role": "assistant", "content": json.dumps({"tool_calls": calls}, ensure_ascii=False)})
         elif m["role"] == "assistant" and tools and choice != "none":
             out.append({"role": "assistant", "content": json.dumps({"response": m["content"]}, ensure_ascii=False)})
         elif m["role"] == "tool":
-            result = {"tool_response": {"name": m.get("name", ""), "content": m["content"]}}
+            # The tool's name from the call it answers, when the client sent none (OpenAI's clients do not).
+            result = {"tool_response": {"name": m.get("name") or names.get(m.get("tool_call_id"), ""),
+                                        "content": m["content"]}}
             out.append({"role": "user", "content": json.dumps(result, ensure_ascii=False)})
         else:
             out.append({"role": m["role"], "content": m["content"]})
