@@ -104,7 +104,7 @@ function stats(started, firstAt, endedAt, tokens) {
   const ttft = firstAt ? `TTFT ${Math.round(firstAt - started)} ms` : "no tokens";
   const seconds = (endedAt - (firstAt || started)) / 1000;
   const rate = tokens > 1 && seconds > 0 ? ` · ${((tokens - 1) / seconds).toFixed(1)} tok/s` : "";
-  return `${ttft}${rate} · ${tokens} tokens`;
+  return `${ttft}${rate}${tokens ? ` · ${tokens} tokens` : ""}`; // a stopped answer has no usage chunk
 }
 
 /** Streams the answer to the conversation as it is into a new assistant message. */
