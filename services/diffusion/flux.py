@@ -150,7 +150,6 @@ class Flux(nn.Module):
         self.single_transformer_blocks = nn.ModuleList(FluxSingleBlock(c) for _ in range(c.n_single_layers))
         self.norm_out = AdaLayerNormContinuous(c.dim)
         self.proj_out = nn.Linear(c.dim, c.out_channels)
-        self.step_cache = None  # a FirstBlockCache (services/diffusion/step_cache.py)
 
     def _sinusoid(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # diffusers' FluxPipeline passes t / 1000 and the model multiplies by 1000 again: the same float32 numbers
@@ -195,8 +194,9 @@ class Flux(nn.Module):
                 temb: torch.Tensor | None = None) -> torch.Tensor:
         h, w = latents.shape[-2:]
         x, c, y, rotary = self.embed(latents, timesteps, context, temb)
-        if self.step_cache is not None:
-            return self.step_cache.run(self, x, c, y, lambda out: self.head(out, y, h, w), rotary)
+        cache = getattr(context, "step_cache", None)  # FirstBlockCache (services/diffusion/step_cache.py) or None
+        if cache is not None:
+            return cache.run(self, x, c, y, lambda out: self.head(out, y, h, w), rotary)
         return self.head(self.run_blocks(x, c, y, rotary), y, h, w)
 
     def first_block(self, x, c, y, rotary):

@@ -165,7 +165,6 @@ class MMDiT(nn.Module):
             JointTransformerBlock(c, context_pre_only=i == c.n_layers - 1) for i in range(c.n_layers))
         self.norm_out = AdaLayerNormContinuous(c.dim)
         self.proj_out = nn.Linear(c.dim, c.patch_size**2 * c.out_channels)
-        self.step_cache = None  # a FirstBlockCache (services/diffusion/step_cache.py) while one request runs alone
 
     def time_embed(self, timesteps: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(S,) timesteps (1000 σ) -> (S, D): the timestep part of the conditioning y."""
@@ -195,13 +194,16 @@ class MMDiT(nn.Module):
         """latents (B, C, h, w), timesteps (B,) in [0, 1000] -> velocity (B, C, h, w)."""
         h, w = latents.shape[-2:]
         x, c, y = self.embed(latents, timesteps, context, temb)
-        if self.step_cache is not None:
-            return self.step_cache.run(self, x, c, y, lambda out: self.head(out, y, h, w))
-        for block in self.transformer_blocks:
-            x, c = block(x, c, y)
-        return self.head(x, y, h, w)
+        cache = getattr(context, "step_cache", None)  # FirstBlockCache (services/diffusion/step_cache.py) or None
+        if cache is not None:
+            return cache.run(self, x, c, y, lambda out: self.head(out, y, h, w))
+        return self.head(self.run_blocks(x, c, y), y, h, w)
 
-    def run_blocks(self, x: torch.Tensor, c: torch.Tensor, y: torch.Tensor, start: int) -> torch.Tensor:
+    def first_block(self, x: torch.Tensor, c: torch.Tensor, y: torch.Tensor, rotary=None):
+        return self.transformer_blocks[0](x, c, y)
+
+    def run_blocks(self, x: torch.Tensor, c: torch.Tensor, y: torch.Tensor, rotary=None, start: int = 0
+                   ) -> torch.Tensor:
         """The image stream after blocks ``start``.. (the step cache runs block 0 itself)."""
         for block in self.transformer_blocks[start:]:
             x, c = block(x, c, y)

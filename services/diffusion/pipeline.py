@@ -43,6 +43,8 @@ from genserve.services.diffusion.schedulers import make_scheduler
 from genserve.services.diffusion.sd3_folder import PIPELINE_CLASS as SD3_CLASS
 from genserve.services.diffusion.sd3_folder import load_sd3_components
 from genserve.services.diffusion.sd_folder import INDEX, is_diffusers_pipeline, load_sd_components
+from genserve.services.diffusion.step_cache import FirstBlockCache
+from genserve.services.diffusion.text_conditioning import TextConditioning
 from genserve.shared.blocks.cross_attention import ContextCache
 from genserve.shared.seeds import resolve_seed
 
@@ -175,11 +177,13 @@ class DiffusionPipeline:
         init: Posterior | None = None,
         strength: float = 1.0,
         mask: torch.Tensor | None = None,
+        cache_threshold: float | None = None,
     ) -> Denoising:
         """One request, validated, its text encoded and its noise drawn, before its first step (the arguments are
         ``generate``'s). ``init`` (the VAE's posterior of an image at the request's size) makes it image-to-image
         from ``strength``; ``mask`` (1 or N, 1, H, W) in [0, 1], 1 = repaint, with ``init`` makes it inpainting
-        (services/diffusion/edits.py)."""
+        (services/diffusion/edits.py). ``cache_threshold`` turns FirstBlockCache on for a diffusion transformer
+        (services/diffusion/step_cache.py); None: off."""
         scheduler = scheduler or self.model.default_scheduler
         guidance = guidance or self.model.default_guidance
         negative_weight = self.model.default_negative_weight if negative_weight is None else negative_weight
@@ -193,6 +197,10 @@ class DiffusionPipeline:
         cache = self.encode_context(texts)  # (kN, T, D), k = 1, 2 or 3
         if self.model.guidance == "embedded":  # Flux: the scale is the transformer's input, per row
             cache.guidance = torch.full((n,), float(guidance_scale), device=self.device)
+        if cache_threshold is not None:
+            if not isinstance(cache, TextConditioning):
+                raise ValueError("cache_threshold: step caching runs on diffusion transformers (SD3, Flux) only")
+            cache.step_cache = FirstBlockCache(cache_threshold)
         generator = torch.Generator().manual_seed(resolve_seed(seed))
         sampler = self.make_sampler(scheduler, eta, size)
         timesteps = sampler.set_timesteps(steps)

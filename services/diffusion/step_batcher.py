@@ -65,8 +65,10 @@ class StepJob:
 
 
 def _group_key(job: StepJob) -> tuple[int, ...]:
-    """Requests that can share a U-Net call: same latent shape, same text length."""
-    return (*job.state.latent_shape, job.state.context.context.shape[1])
+    """Requests that can share a U-Net call: same latent shape, same text length; a request with a step cache
+    (services/diffusion/step_cache.py) has calls of its own, since its cache holds its rows alone."""
+    cache = getattr(job.state.context, "step_cache", None)
+    return (*job.state.latent_shape, job.state.context.context.shape[1], 0 if cache is None else id(cache))
 
 
 class StepBatcher:

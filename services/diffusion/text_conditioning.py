@@ -16,6 +16,7 @@ class TextConditioning(ContextCache):
         super().__init__(tokens)  # (B, T, D): ``.context``, which the batcher groups requests by
         self.pooled = pooled  # (B, P)
         self.guidance = guidance  # (B,) or None
+        self.step_cache = None  # this request's FirstBlockCache (services/diffusion/step_cache.py), if it asked
 
 
 

@@ -1,6 +1,8 @@
 """A Stable-Diffusion-format folder served end to end: GENSERVE_DIFFUSION_MODEL=DIR makes `diffusion` serve it and
 `vae` serve its vae/; a seeded Generate returns diffusers' StableDiffusionPipeline image within 2/255, and a bad
-size is INVALID_ARGUMENT naming the field. Its own small stack (vae + diffusion only), 50 ports above the e2e block.
+size is INVALID_ARGUMENT naming the field. Edits too: a seeded image-to-image Generate (init_image, strength) is
+diffusers' StableDiffusionImg2ImgPipeline image, and the official openai client's images.edit (multipart, with a
+mask) is StableDiffusionInpaintPipeline's. Its own small stack (vae + diffusion + http), 50 ports above the e2e block.
 """
 
 from __future__ import annotations
@@ -30,15 +32,20 @@ def sd_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def sd_client(sd_folder: Path, tmp_path_factory: pytest.TempPathFactory, serve, base_port: int) -> Iterator[Client]:
+def sd_stack(sd_folder: Path, tmp_path_factory: pytest.TempPathFactory, serve, base_port: int) -> Iterator:
     root = tmp_path_factory.mktemp("sd-stack")
     config = yaml.safe_load(LOCAL_PATH.read_text())
-    config["applications"] = [app for app in config["applications"] if app["name"] in ("vae", "diffusion")]
+    config["applications"] = [app for app in config["applications"] if app["name"] in ("vae", "diffusion", "http")]
     (root / "serve.yaml").write_text(yaml.safe_dump(config))
     env = {"GENSERVE_DIFFUSION_MODEL": str(sd_folder)}
     with serve(base_port + 50, root / "serve.log", "--config", str(root / "serve.yaml"), env=env) as stack:
-        with Client(stack.address, timeout=120) as client:
-            yield client
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def sd_client(sd_stack) -> Iterator[Client]:
+    with Client(sd_stack.address, timeout=120) as client:
+        yield client
 
 
 def _pixels(png: bytes) -> np.ndarray:
@@ -71,3 +78,66 @@ def test_the_vae_app_serves_the_folders_autoencoder(sd_client: Client) -> None:
     encoded = sd_client.vae_encode([buffer.getvalue()])
     assert list(encoded.latents.shape) == [1, 4, 6, 10]
     assert encoded.scaling_factor == pytest.approx(0.18215)
+
+
+def _png(pixels: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def edit_inputs() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    pixels = np.clip(rng.normal(128, 60, (48, 80, 3)), 0, 255).astype(np.uint8)
+    mask = np.zeros((48, 80), np.uint8)
+    mask[10:40, 20:60] = 255
+    return pixels, mask
+
+
+def test_img2img_over_grpc_is_the_diffusers_image(sd_folder: Path, sd_stack, edit_inputs) -> None:
+    from diffusers import StableDiffusionImg2ImgPipeline
+
+    from genserve.v1 import diffusion_pb2, diffusion_pb2_grpc
+
+    pixels, _ = edit_inputs
+    ref = StableDiffusionImg2ImgPipeline.from_pretrained(sd_folder, safety_checker=None,
+                                                         requires_safety_checker=False)
+    ref.set_progress_bar_config(disable=True)
+    expected = ref(PROMPT, image=Image.fromarray(pixels), strength=0.6, num_inference_steps=4, guidance_scale=7.5,
+                   generator=torch.Generator("cpu").manual_seed(5), output_type="np").images
+    request = diffusion_pb2.DiffusionRequest(prompt=PROMPT, init_image=_png(pixels), strength=0.6, steps=4,
+                                             guidance_scale=7.5, seed=5)
+    with grpc.insecure_channel(sd_stack.address) as channel:
+        reply = diffusion_pb2_grpc.DiffusionStub(channel).Generate(request, metadata=(("application", "diffusion"),),
+                                                                   timeout=120)
+    assert [(i.width, i.height) for i in reply.images] == [(80, 48)]  # the image's own size
+    assert np.abs(_pixels(reply.images[0].png) - np.round(expected[0] * 255)).max() <= 2
+    with grpc.insecure_channel(sd_stack.address) as channel, pytest.raises(grpc.RpcError) as info:
+        bad = diffusion_pb2.DiffusionRequest(prompt=PROMPT, init_image=_png(pixels), mask=_png(pixels[:, :40]))
+        diffusion_pb2_grpc.DiffusionStub(channel).Generate(bad, metadata=(("application", "diffusion"),), timeout=60)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("mask: ")
+
+
+def test_openai_images_edit_is_the_diffusers_inpainting(sd_folder: Path, sd_stack, edit_inputs) -> None:
+    import base64
+
+    import openai
+    from diffusers import StableDiffusionInpaintPipeline
+
+    pixels, mask = edit_inputs
+    ref = StableDiffusionInpaintPipeline.from_pretrained(sd_folder, safety_checker=None,
+                                                         requires_safety_checker=False)
+    ref.set_progress_bar_config(disable=True)
+    expected = ref(PROMPT, image=Image.fromarray(pixels), mask_image=Image.fromarray(mask), num_inference_steps=4,
+                   guidance_scale=7.5, height=48, width=80, generator=torch.Generator("cpu").manual_seed(9),
+                   output_type="np").images
+    with openai.OpenAI(base_url=sd_stack.http_url, api_key="unused", max_retries=0, timeout=120) as api:
+        reply = api.images.edit(image=("image.png", _png(pixels), "image/png"), mask=("mask.png", _png(mask),
+                                "image/png"), prompt=PROMPT, n=1, size="80x48", response_format="b64_json",
+                                extra_body={"seed": 9, "steps": 4, "guidance_scale": 7.5})
+        assert len(reply.data) == 1
+        assert np.abs(_pixels(base64.b64decode(reply.data[0].b64_json)) - np.round(expected[0] * 255)).max() <= 2
+        with pytest.raises(openai.BadRequestError) as info:
+            api.images.edit(image=("image.gif", b"GIF89a", "image/gif"), prompt=PROMPT)
+        assert info.value.body["param"] == "image"
