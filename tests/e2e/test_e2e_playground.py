@@ -92,10 +92,15 @@ def test_a_chat_answer_streams_in_with_its_timings_and_stays_after_a_reload(page
     assert_fits_a_phone(page)
 
 
+# An answer that cannot end before its max tokens, whatever the model: a JSON string longer than they can hold.
+LONG_ANSWER = {"type": "object", "properties": {"story": {"type": "string", "minLength": 4000}}, "required": ["story"]}
+
+
 def test_stop_in_mid_answer_frees_the_kv_blocks_on_the_server(page, client: Client) -> None:
     info = client.model_info()
     page.get_by_role("spinbutton", name="Max tokens").fill(str(min(1024, info.max_context - 64)))
-    page.get_by_role("spinbutton", name="Seed").fill("3")
+    page.get_by_role("checkbox", name="JSON-schema mode").check()
+    page.get_by_role("textbox", name="JSON schema").fill(json.dumps(LONG_ANSWER))
     page.get_by_role("textbox", name="Message").fill("Tell a long story")
     page.get_by_role("button", name="Send").click()
     page.wait_for_selector(".message.assistant:last-child .content:not(:empty)")  # the answer has begun
