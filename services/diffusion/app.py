@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -27,6 +28,7 @@ from PIL import Image as PILImage
 from pydantic import Field
 from ray import serve
 from ray.serve.deployment import Application
+from ray.util import metrics
 
 from genserve.services.common import health
 from genserve.services.common.builder import AppArgs, build_app, handle_to
@@ -55,6 +57,13 @@ class StepBatchArgs(AppArgs):
     # U-Net rows per step (images × passes, all requests in the loop); a waiting request joins when its rows fit.
     max_step_rows: int = Field(48, ge=MAX_REQUEST_ROWS, le=4096)
     batch_wait_s: float = Field(0.005, ge=0, le=1, allow_inf_nan=False)  # how long an idle loop waits for others
+
+
+@functools.cache
+def cached_steps() -> metrics.Counter:
+    """Denoising steps whose later transformer blocks FirstBlockCache skipped (created in the replica, once)."""
+    return metrics.Counter("genserve_diffusion_cached_steps",
+                           description="Denoising steps whose later blocks the step cache skipped.")
 
 
 def _progress(step: int, total: int, elapsed: float) -> diffusion_pb2.DiffusionEvent:
@@ -95,6 +104,8 @@ class Diffusion:
         problem = self.pipe.size_error(height, width) or self.pipe.option_error(req.scheduler)
         if problem is not None:
             raise InvalidArgument(*problem)
+        if req.cache_threshold is not None and not self.pipe.caches_steps:
+            raise InvalidArgument("cache_threshold", "step caching runs on diffusion transformers (SD3, Flux) only")
         if req.preview_every and self.pipe.model.preview is None:
             raise InvalidArgument("preview_every", "this model has no preview; use 0")
         seed = resolve_seed(req.seed)
@@ -115,8 +126,13 @@ class Diffusion:
                 [req.prompt] * req.num_images, [req.negative_prompt] * req.num_images, steps=req.steps,
                 guidance_scale=req.guidance_scale, seed=seed, scheduler=req.scheduler or None, eta=req.eta,
                 height=height, width=width, guidance=req.guidance or None, negative_weight=req.negative_weight,
-                init=init, strength=req.edit_strength, mask=mask,
+                init=init, strength=req.edit_strength, mask=mask, cache_threshold=req.cache_threshold,
             )
+            cache = getattr(state.context, "step_cache", None)
+            if cache is not None:  # count the steps it skipped once the request is done
+                future = self.batcher.submit(state, on_step, cancel.is_set)
+                future.add_done_callback(lambda _: cached_steps().inc(cache.skipped))
+                return future
             return self.batcher.submit(state, on_step, cancel.is_set)
 
         try:

@@ -67,6 +67,11 @@ class DiffusionPipeline:
         return cls(load_diffusion(path, device=device), device=device)
 
     @property
+    def caches_steps(self) -> bool:
+        """Whether requests may turn on step caching: the denoiser is a diffusion transformer."""
+        return self.model.conditioning is not None
+
+    @property
     def latent_shape(self) -> tuple[int, int, int]:
         """(C, h, w) of one image's latent at the native size."""
         return self.latent_shape_for(*self.model.native_size)

@@ -50,6 +50,7 @@ class DiffusionIn(Request):
     init_image: bytes = Field(b"", max_length=MAX_EDIT_BYTES)
     strength: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     mask: bytes = Field(b"", max_length=MAX_EDIT_BYTES)
+    cache_threshold: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)  # services/diffusion/step_cache.py
 
     @field_validator("strength", "mask")
     @classmethod
