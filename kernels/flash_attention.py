@@ -16,6 +16,10 @@ Choices that the algorithm leaves open:
 - Ragged batches are either padded (B, H, N, D) tensors or packed (total, H, D) tensors with `cu_seqlens`.
 - Any head dims up to 256, and a value head dim that differs from the query/key one (MLA): tiles are padded to
   powers of two (at least 16, the tensor-core minimum) and the padding columns are masked off.
+- Soft-capping (Gemma 2) maps each raw score s to c tanh(s sm_scale / c) / sm_scale before the mask, so the usual
+  scale then gives c tanh(s sm_scale / c); tanh is 2 sigmoid(2x) - 1. Attention sinks (gpt-oss) start each row's
+  running softmax state at the head's sink logit, m = sink and l = 1 with nothing accumulated: the sink joins the
+  denominator and adds nothing to the output.
 """
 
 from __future__ import annotations
@@ -74,13 +78,20 @@ def online_softmax_step(qk, qk_scale, m_i, l_i, acc, v, DOT_PRECISION: tl.conste
 
 
 @triton.jit
+def soft_cap(qk, softcap_in, softcap_out):
+    """Raw scores -> c tanh(s sm_scale / c) / sm_scale, with softcap_in = sm_scale / c and softcap_out = c / sm_scale
+    (module docstring); shared with the paged decode kernel."""
+    return (2.0 * tl.sigmoid(2.0 * qk * softcap_in) - 1.0) * softcap_out
+
+
+@triton.jit
 def _attend_kv_blocks(
     acc, l_i, m_i, q,
     k_base, v_base, stride_kn, stride_vn,
-    offs_m, offs_d, offs_dv, lo, hi, seqlen_k, causal_offset, window, qk_scale,
+    offs_m, offs_d, offs_dv, lo, hi, seqlen_k, causal_offset, window, qk_scale, softcap_in, softcap_out,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_SCORES: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
@@ -98,6 +109,8 @@ def _attend_kv_blocks(
             v = v.to(tl.float32)
         # -- S_ij = Q_i K_j^T on chip (step 7); the scale is applied below, fused with the max subtraction --
         qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+        if SOFTCAP:
+            qk = soft_cap(qk, softcap_in, softcap_out)
         if MASK_SCORES:
             keep = col_ok[None, :]
             if CAUSAL:
@@ -117,10 +130,10 @@ def _flash_attention_fwd_kernel(
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
-    n_q_heads, group_size, seqlen_q, seqlen_k, window, qk_scale, seq_bucket,
+    n_q_heads, group_size, seqlen_q, seqlen_k, window, qk_scale, seq_bucket, softcap_in, softcap_out, Sinks,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # seq_bucket only keys the autotuner: configs are tuned per power-of-two length band, not per length.
@@ -165,6 +178,9 @@ def _flash_attention_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], M_INIT, dtype=tl.float32)
+    if SINKS:  # the sink as a first key worth exp(sink) that carries no value (module docstring); 1.44.. = log2 e
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sinks + h).to(tl.float32) * 1.4426950408889634
+        l_i = l_i + 1.0
 
     # -- the key range: [lo, n_full) needs no score mask, [n_full, hi) crosses the diagonal or the end --
     causal_offset = seqlen_k - seqlen_q
@@ -184,13 +200,13 @@ def _flash_attention_fwd_kernel(
     # -- stream the key/value blocks (step 5) --
     acc, l_i, m_i = _attend_kv_blocks(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
-        offs_m, offs_d, offs_dv, lo, n_full, seqlen_k, causal_offset, window, qk_scale,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, WINDOW, UPCAST, DOT_PRECISION,
+        offs_m, offs_d, offs_dv, lo, n_full, seqlen_k, causal_offset, window, qk_scale, softcap_in, softcap_out,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, WINDOW, UPCAST, DOT_PRECISION, SOFTCAP,
     )
     acc, l_i, m_i = _attend_kv_blocks(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
-        offs_m, offs_d, offs_dv, n_full, hi, seqlen_k, causal_offset, window, qk_scale,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, WINDOW, UPCAST, DOT_PRECISION,
+        offs_m, offs_d, offs_dv, n_full, hi, seqlen_k, causal_offset, window, qk_scale, softcap_in, softcap_out,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, WINDOW, UPCAST, DOT_PRECISION, SOFTCAP,
     )
 
     # -- O_i = acc / l, written back to HBM (step 11); a row that sees no key gets zeros --
@@ -266,9 +282,12 @@ def flash_attention(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * sm_scale [+ causal mask]) v, computed by Algorithm 3 ("Flash Attention (Simplified)") without
-    materialising the scores.
+    materialising the scores. ``softcap`` > 0 caps the scaled scores at +-softcap; ``sinks`` (Hq,) adds each head's
+    sink logit to its softmax denominator (module docstring).
     With ``window`` > 0 (causal only) query i also sees no key more than ``window`` - 1 positions before its own:
     i - window < j <= i in absolute positions (Mistral's sliding window, shared/blocks/masks.py).
 
@@ -313,16 +332,21 @@ def flash_attention(
     if batch == 0 or max_seqlen_q == 0:
         return o
 
+    if sinks is not None and sinks.shape != (n_q_heads,):
+        raise ValueError(f"sinks must hold one logit per query head ({n_q_heads}); got {tuple(sinks.shape)}")
+    sink_arg = sinks.float().contiguous() if sinks is not None else cu_q  # unread without SINKS
     args = (
         q, k, v, o, cu_q, cu_k, *q_strides, *k_strides, *v_strides, *o_strides,
         n_q_heads, n_q_heads // n_kv_heads, seqlen_q, seqlen_k, window, sm_scale * LOG2E,
-        _seq_bucket(max_seqlen_q),
+        _seq_bucket(max_seqlen_q), sm_scale / softcap if softcap else 1.0, softcap / sm_scale if softcap else 1.0,
+        sink_arg,
     )
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     meta = dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=causal,
         WINDOW=window > 0, VARLEN=varlen,
         UPCAST=upcast_for_interpreter(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
+        SOFTCAP=softcap > 0, SINKS=sinks is not None,
     )
 
     def grid(config: dict) -> tuple[int, int]:

@@ -12,6 +12,8 @@ bandwidth, not by compute. Two choices follow:
   context is cut into splits that run in parallel; each split keeps its own online-softmax state (m, l, unnormalised
   output, as in Algorithm 3, "Flash Attention (Simplified)") and a second small kernel merges them by rescaling with
   exp(m_s - max_s m_s).
+Soft-capping and attention sinks are those of the flash kernel (flash_attention.py); the sink enters only split 0's
+state, so the merge counts it once.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from genserve.kernels._runtime import (
     sm_count,
     upcast_for_interpreter,
 )
-from genserve.kernels.flash_attention import LOG2E, M_INIT, MAX_HEAD_DIM, online_softmax_step
+from genserve.kernels.flash_attention import LOG2E, M_INIT, MAX_HEAD_DIM, online_softmax_step, soft_cap
 
 # Splits cover a multiple of this many tokens, a multiple of every BLOCK_N below, so tiles never straddle splits.
 _SPLIT_GRANULE = 256
@@ -57,10 +59,10 @@ def _paged_decode_kernel(
     stride_ob, stride_oh,
     stride_pab, stride_pah, stride_pas,
     stride_pmb, stride_pmh,
-    group_size, qk_scale, window,
+    group_size, qk_scale, window, softcap_in, softcap_out, Sinks,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, SPLIT_GRANULE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr, SINKS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     tl.static_assert(BLOCK_D >= 16 and GROUP_PAD >= 16, "tensor-core dots need K >= 16 and M >= 16")
     b = tl.program_id(0)
@@ -92,6 +94,10 @@ def _paged_decode_kernel(
     acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     m_i = tl.full([GROUP_PAD], M_INIT, dtype=tl.float32)
+    if SINKS:  # split 0 carries each head's sink (module docstring); 1.44.. = log2 e, into the base-2 softmax
+        sink = tl.load(Sinks + heads, mask=head_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
 
     table = block_tables + b64 * stride_bt
     k_head = K_cache + kv_h.to(tl.int64) * stride_kh
@@ -117,6 +123,8 @@ def _paged_decode_kernel(
         # -- scores in log2 units, then the online-softmax update (steps 7-10) of Algorithm 3,
         # "Flash Attention (Simplified)" --
         qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+        if SOFTCAP:
+            qk = soft_cap(qk, softcap_in, softcap_out)
         qk = tl.where(tok_ok[None, :], qk, float("-inf"))
         acc, l_i, m_i = online_softmax_step(qk, qk_scale, m_i, l_i, acc, v, DOT_PRECISION)
 
@@ -213,9 +221,12 @@ def paged_decode_attention(
     max_context_len: int | None = None,
     num_splits: int | None = None,
     window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q K_b^T * sm_scale) V_b for each sequence b's cached keys/values -> o (B, Hq, D); with ``window`` > 0
-    only the last ``window`` keys of each sequence (Mistral's sliding window).
+    only the last ``window`` keys of each sequence (Mistral's sliding window). ``softcap`` and ``sinks`` (Hq,) as in
+    ``flash_attention``.
 
     `max_context_len` is the expected longest context, used only to choose the split count (a wrong value costs
     speed, not correctness); by default it is the block table's capacity (max_blocks * block_size), which needs no
@@ -226,6 +237,8 @@ def paged_decode_attention(
     _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
     if window < 0:
         raise ValueError(f"window must be >= 0, got {window}")
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(f"sinks must hold one logit per query head ({q.shape[1]}); got {tuple(sinks.shape)}")
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -264,13 +277,14 @@ def paged_decode_attention(
         o.stride(0), o.stride(1),
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
         part_m.stride(0), part_m.stride(1),
-        group_size, sm_scale * LOG2E, window,
+        group_size, sm_scale * LOG2E, window, sm_scale / softcap if softcap else 1.0,
+        softcap / sm_scale if softcap else 1.0, sinks.float().contiguous() if sinks is not None else part_m,
     )
     block_d = max(16, triton.next_power_of_2(head_dim))
     meta = dict(
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=block_size, GROUP_PAD=max(16, triton.next_power_of_2(group_size)),
         SINGLE_SPLIT=single, SPLIT_GRANULE=_SPLIT_GRANULE, UPCAST=upcast_for_interpreter(q.dtype),
-        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), SOFTCAP=softcap > 0, SINKS=sinks is not None,
     )
     grid = (batch, n_kv_heads, num_splits)
     if interpreting():

@@ -298,7 +298,7 @@ def from_hf(raw: dict) -> LlamaConfig:
         window = 0
     head_dim = raw.get("head_dim") or dim // n_heads
     if arch == "DeepseekV3ForCausalLM":
-        head_dim = int(raw["qk_nope_head_dim"]) + int(raw["qk_rope_head_dim"])
+        head_dim = int(raw.get("qk_nope_head_dim") or 0) + int(raw.get("qk_rope_head_dim") or 0) or head_dim
     fields = dict(
         vocab_size=int(raw["vocab_size"]),
         dim=dim,

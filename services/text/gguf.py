@@ -2,7 +2,10 @@
 
 A `.gguf` file, or a directory holding one, gives the model config (from the `<arch>.*` metadata), the weights under
 Hugging Face names, and the tokenizer and chat template (services/text/gguf_tokenizer.py). Architectures: `llama`
-(Llama and Mistral, which llama.cpp converts as `llama`) and `qwen2`. `tensor_weight` dequantizes a tensor to the
+(Llama and Mistral, which llama.cpp converts as `llama`), `qwen2`, `qwen3`, `gemma2` and `gemma3`. For Gemma,
+llama.cpp's converter stores every RMSNorm gain as 1 + w (its norms multiply by the gain), so 1 is taken off again;
+what its runtime hard-codes, our config states: the softmax scale 1/sqrt(key_length), the sliding layers' RoPE base
+10,000 (Gemma 3) and Gemma 2's alternating windows. `tensor_weight` dequantizes a tensor to the
 served dtype; with ``keep_quantized``, `GGUFCheckpoint.quantized_linears` instead hands the projection matrices
 stored as Q8_0/Q4_0/Q4_1 to the loader as the file's own blocks (shared/blocks/quant_linear.py), never as floats.
 
@@ -30,7 +33,12 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", True, False),
     "mistral": ("MistralForCausalLM", True, False),
     "qwen2": ("Qwen2ForCausalLM", False, True),
+    "qwen3": ("Qwen3ForCausalLM", False, False),
+    "gemma2": ("Gemma2ForCausalLM", False, False),
+    "gemma3": ("Gemma3ForCausalLM", False, False),
 }
+GEMMA = ("gemma2", "gemma3")
+GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train_swa for Gemma 3
 Q = GGMLQuantizationType
 SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 # Served as the file's own blocks (QuantLinear) when kept quantized; K-quants are dequantized.
@@ -53,6 +61,14 @@ LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+# Gemma's four norms: llama.cpp's ffn_norm is the one before the FFN, as for Llama, but HF names it apart.
+GEMMA_LAYER_NAMES = LAYER_NAMES | {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 
 
@@ -95,14 +111,15 @@ def unpermute_index(rows: int, n_heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(n_heads, rows // n_heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, arch: str = "llama") -> str:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; an unknown tensor is refused by name."""
     if name in GLOBAL_NAMES:
         return GLOBAL_NAMES[name]
+    layer_names = GEMMA_LAYER_NAMES if arch in GEMMA else LAYER_NAMES
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
-    raise ValueError(f"GGUF tensor {name!r} is not part of a Llama/Mistral/Qwen2 decoder")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
+    raise ValueError(f"GGUF tensor {name!r} is not part of a {arch} decoder")
 
 
 @dataclass
@@ -152,7 +169,7 @@ class GGUFCheckpoint:
         if embed is None:
             raise ValueError(f"{self.path.name} has no token_embd.weight tensor")
         eos = self.metadata.get("tokenizer.ggml.eos_token_id")
-        return LlamaConfig(
+        config = LlamaConfig(
             vocab_size=int(embed.shape[1]), dim=dim, n_layers=int(self._arch_value("block_count")),
             n_heads=n_heads, n_kv_heads=int(self._arch_value("attention.head_count_kv", n_heads)),
             head_dim=int(self._arch_value("attention.key_length", dim // n_heads)),
@@ -168,6 +185,31 @@ class GGUFCheckpoint:
             eos_token_ids=() if eos is None else (int(eos),),
             architecture=name,
         )
+        return config.replace(**self._family(config))
+
+    def _family(self, config: LlamaConfig) -> dict[str, Any]:
+        """What qwen3 and Gemma files set beyond the Llama fields (module docstring)."""
+        arch = self.architecture
+        if arch == "qwen3":
+            return {"qk_norm": True}
+        if arch not in GEMMA:
+            return {}
+        out: dict[str, Any] = dict(
+            norm_unit_offset=True, sandwich_norm=True, embed_scale=True, hidden_act="gelu_tanh",
+            query_pre_attn_scalar=float(config.head_dim),
+            attn_softcap=float(self.metadata.get(f"{arch}.attn_logit_softcapping") or 0.0),
+            final_softcap=float(self.metadata.get(f"{arch}.final_logit_softcapping") or 0.0))
+        n = config.n_layers
+        if arch == "gemma2":
+            sliding = [i % 2 == 0 for i in range(n)]
+        else:
+            out.update(qk_norm=True, rope_local_theta=GEMMA3_LOCAL_ROPE_BASE)
+            pattern = self.metadata.get(f"{arch}.attention.sliding_window_pattern", 6)
+            sliding = [bool(p) for p in pattern] if isinstance(pattern, list) else \
+                [i % int(pattern) < int(pattern) - 1 for i in range(n)]
+        if config.sliding_window and len(sliding) == n:
+            out["layer_types"] = tuple("sliding_attention" if s else "full_attention" for s in sliding)
+        return out
 
     def _row_order(self, config: LlamaConfig, tensor: ReaderTensor) -> torch.Tensor | None:
         """The rows to undo llama.cpp's q/k permutation with, or None for a tensor it did not permute."""
@@ -183,7 +225,7 @@ class GGUFCheckpoint:
         for tensor in self.reader.tensors:
             if tensor.tensor_type not in KEPT_QUANTIZED or not tensor.name.endswith(".weight"):
                 continue
-            name = hf_name(tensor.name).removesuffix(".weight")
+            name = hf_name(tensor.name, self.architecture).removesuffix(".weight")
             if name == "model.embed_tokens":  # a lookup table stays dense; a tied head keeps its blocks
                 if not any(t.name == "output.weight" for t in self.reader.tensors):
                     kept["lm_head"] = tensor
@@ -200,8 +242,10 @@ class GGUFCheckpoint:
             if tensor.name in skip:
                 continue
             weight = tensor_weight(tensor, dtype)
+            if self.architecture in GEMMA and tensor.name.endswith("norm.weight"):
+                weight = weight - 1  # llama.cpp stores Gemma's gains as 1 + w
             rows = self._row_order(config, tensor)
-            state[hf_name(tensor.name)] = weight if rows is None else weight[rows]
+            state[hf_name(tensor.name, self.architecture)] = weight if rows is None else weight[rows]
         return state
 
     def quant_linear(self, config: LlamaConfig, tensor: ReaderTensor, bias: torch.Tensor | None,

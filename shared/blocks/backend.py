@@ -281,18 +281,13 @@ class TritonBackend:
 
     def attend(self, q, k, v, *, causal: bool, sm_scale: float | None = None, window: int = 0, softcap: float = 0.0,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
-        if softcap or sinks is not None:  # the flash kernel has neither yet: the written-out attention
-            return ReferenceBackend.attend(self, q, k, v, causal=causal, sm_scale=sm_scale, window=window,
-                                           softcap=softcap, sinks=sinks)
-        return self.kernels.flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, window=window)
+        return self.kernels.flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, window=window, softcap=softcap,
+                                            sinks=sinks)
 
     def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None, window: int = 0,
                      softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        if softcap or sinks is not None:  # the paged kernel has neither yet
-            return TorchBackend._paged_decode_capped(q, k_cache, v_cache, block_tables, context_lens, sm_scale, window,
-                                                     softcap, sinks)
         return self.kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale=sm_scale,
-                                                   window=window)
+                                                   window=window, softcap=softcap, sinks=sinks)
 
     def rms_norm(self, x, weight, eps: float, residual=None):
         return self.kernels.rms_norm(x, weight, eps, residual=residual)

@@ -31,7 +31,7 @@ rn = importlib.import_module("genserve.kernels.rms_norm")
 rp = importlib.import_module("genserve.kernels.rope")
 
 TARGET = GPUTarget("cuda", 90, 32)
-FLOAT_ARGS = {"qk_scale", "eps"}
+FLOAT_ARGS = {"qk_scale", "eps", "softcap_in", "softcap_out"}
 
 
 def _signature(kernel, pointers: dict[str, str], constexprs: dict) -> tuple[dict, dict]:
@@ -77,8 +77,9 @@ def _compile(label: str, kernel, pointers: dict[str, str], constexprs: dict, num
 
 
 def _flash_variants():
-    pointers = {n: "*bf16" for n in ("Q", "K", "V", "O")} | {"cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32"}
-    base = {"UPCAST": False, "DOT_PRECISION": "tf32"}
+    pointers = {n: "*bf16" for n in ("Q", "K", "V", "O")} | {"cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32",
+                                                             "Sinks": "*fp32"}
+    base = {"UPCAST": False, "DOT_PRECISION": "tf32", "SOFTCAP": False, "SINKS": False}
 
     def dims(d: int, dv: int) -> dict:
         return {"HEAD_DIM": d, "HEAD_DIM_V": dv, "BLOCK_D": fa.padded_head_dim(d), "BLOCK_DV": fa.padded_head_dim(dv)}
@@ -92,6 +93,10 @@ def _flash_variants():
     config = fa.autotune_configs(128, 128)[0]
     meta = base | dims(128, 128) | {"CAUSAL": True, "WINDOW": True, "VARLEN": False} | config.kwargs
     yield "flash_attention[D128,causal,window]", fa._flash_attention_fwd_kernel, pointers, meta, \
+        config.num_warps, config.num_stages
+    # Gemma 2's soft-capped scores and gpt-oss's sinks add a tanh per score and a different softmax start.
+    meta = meta | {"SOFTCAP": True, "SINKS": True}
+    yield "flash_attention[D128,causal,window,softcap,sinks]", fa._flash_attention_fwd_kernel, pointers, meta, \
         config.num_warps, config.num_stages
     config = fa.autotune_configs(64, 64)[0]
     meta = base | dims(64, 64) | {"CAUSAL": False, "WINDOW": False, "VARLEN": True} | config.kwargs
@@ -110,10 +115,11 @@ def _flash_variants():
         yield f"flash_attention[D{d},Dv{dv}]", fa._flash_attention_fwd_kernel, pointers, meta, \
             config.num_warps, config.num_stages
     # fp32 (the diffusion U-Net on a GPU): every candidate at Stable Diffusion's head dims, full attention.
-    fp32 = {n: "*fp32" for n in ("Q", "K", "V", "O")} | {"cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32"}
+    fp32 = {n: "*fp32" for n in ("Q", "K", "V", "O")} | {"cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32",
+                                                         "Sinks": "*fp32"}
     for d in (40, 80, 160):
         for i, config in enumerate(fa.autotune_configs(fa.padded_head_dim(d), fa.padded_head_dim(d), 4)):
-            meta = {"UPCAST": False, "DOT_PRECISION": "ieee"} | dims(d, d) | {
+            meta = {"UPCAST": False, "DOT_PRECISION": "ieee", "SOFTCAP": False, "SINKS": False} | dims(d, d) | {
                 "CAUSAL": False, "WINDOW": False, "VARLEN": False} | config.kwargs
             yield f"flash_attention[fp32,D{d},cfg{i}]", fa._flash_attention_fwd_kernel, fp32, meta, \
                 config.num_warps, config.num_stages
@@ -121,19 +127,24 @@ def _flash_variants():
 
 def _paged_variants():
     pointers = {"Q": "*bf16", "K_cache": "*bf16", "V_cache": "*bf16", "block_tables": "*i32", "context_lens": "*i32",
-                "O": "*bf16", "part_acc": "*fp32", "part_m": "*fp32", "part_l": "*fp32"}
+                "O": "*bf16", "part_acc": "*fp32", "part_m": "*fp32", "part_l": "*fp32", "Sinks": "*fp32"}
+    extras = {"SOFTCAP": False, "SINKS": False}
     for i, config in enumerate(pa.AUTOTUNE_CONFIGS):
         # The split variant differs only in its epilogue: build it once, every candidate as single-split.
         for single in (True, False) if i == 0 else (True,):
             meta = {"HEAD_DIM": 128, "BLOCK_D": 128, "PAGE_SIZE": 16, "GROUP_PAD": 16, "SINGLE_SPLIT": single,
-                    "SPLIT_GRANULE": pa._SPLIT_GRANULE, "UPCAST": False, "DOT_PRECISION": "tf32"} | config.kwargs
+                    "SPLIT_GRANULE": pa._SPLIT_GRANULE, "UPCAST": False, "DOT_PRECISION": "tf32"} | extras | \
+                config.kwargs
             yield f"paged_decode[cfg{i},single={single}]", pa._paged_decode_kernel, pointers, meta, \
                 config.num_warps, config.num_stages
     config = pa.AUTOTUNE_CONFIGS[0]
     meta = {"HEAD_DIM": 80, "BLOCK_D": 128, "PAGE_SIZE": 16, "GROUP_PAD": 16, "SINGLE_SPLIT": True,
             "SPLIT_GRANULE": pa._SPLIT_GRANULE, "UPCAST": False, "DOT_PRECISION": "tf32",
-            "group_size": 1} | config.kwargs
+            "group_size": 1} | extras | config.kwargs
     yield "paged_decode[cfg0,D80,mha]", pa._paged_decode_kernel, pointers, meta, config.num_warps, config.num_stages
+    meta = meta | {"SOFTCAP": True, "SINKS": True, "SINGLE_SPLIT": False}
+    yield "paged_decode[cfg0,D80,softcap,sinks]", pa._paged_decode_kernel, pointers, meta, config.num_warps, \
+        config.num_stages
     merge_ptrs = {"part_acc": "*fp32", "part_m": "*fp32", "part_l": "*fp32", "O": "*bf16"}
     merge_meta = {"HEAD_DIM": 128, "BLOCK_D": 128, "SPLITS_PAD": 64}
     yield "paged_decode_merge", pa._merge_splits_kernel, merge_ptrs, merge_meta, 4, 1

@@ -179,3 +179,19 @@ def test_flash_attention_refuses_a_window_without_causality() -> None:
     q, k, v = _inputs(1, 2, 2, 8, 8, 16, torch.float32)
     with pytest.raises(ValueError, match="window"):
         flash_attention(q, k, v, causal=False, window=4)
+
+
+@pytest.mark.parametrize(("softcap", "with_sinks"), [(2.0, False), (0.0, True), (3.0, True)],
+                         ids=["softcap", "sinks", "both"])
+def test_flash_attention_soft_capping_and_sinks_match_the_written_out_attention(softcap, with_sinks) -> None:
+    """Gemma 2's capped scores and gpt-oss's sink logits, over a chunked-prefill window (sdpa.py's reference)."""
+    from genserve.shared.blocks.masks import sliding_window_mask
+
+    q, k, v = _inputs(1, 4, 2, 37, 101, 32, torch.float32)
+    q = 3 * q  # scores large enough that the cap bends them
+    sinks = torch.tensor([0.5, -1.0, 2.0, 4.0]) if with_sinks else None
+    out = flash_attention(q, k, v, causal=True, window=40, softcap=softcap, sinks=sinks)
+    ref = scaled_dot_product_attention(q, k, v, sliding_window_mask(37, 101, 40), softcap=softcap, sinks=sinks)
+    assert _max_err(out, ref) <= TOLERANCES[torch.float32]
+    plain = scaled_dot_product_attention(q, k, v, sliding_window_mask(37, 101, 40))
+    assert _max_err(plain, ref) > 1e-2  # the variant changed the result

@@ -128,3 +128,17 @@ def test_paged_decode_spreads_a_short_context_over_the_splits_of_a_launch_sized_
     assert paged_attention.choose_num_splits(1, 1, 16384, q.device) == 8  # sized by the table: 2 waves of 4 "SMs"
     assert busy == [3]
     assert (out - _reference(q, k_cache, v_cache, wide, lens)).abs().max().item() <= TOLERANCES[torch.float32]
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_paged_decode_soft_capping_and_sinks_match_the_reference(num_splits) -> None:
+    """The sink is counted once however the context is split; capped scores as in sdpa.py."""
+    q, k_cache, v_cache, tables, lens = _paged_batch([300, 40, 17], 4, 2, 32, torch.float32)
+    q = 3 * q
+    sinks = torch.tensor([0.5, -1.0, 2.0, 4.0])
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, num_splits=num_splits, softcap=2.5, sinks=sinks,
+                                 window=200)
+    ref = get_backend("reference").paged_decode(q, k_cache, v_cache, tables, lens, softcap=2.5, sinks=sinks, window=200)
+    assert (out - ref).abs().max().item() <= TOLERANCES[torch.float32]
+    plain = get_backend("reference").paged_decode(q, k_cache, v_cache, tables, lens, window=200)
+    assert (plain - ref).abs().max().item() > 1e-2

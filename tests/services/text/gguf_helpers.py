@@ -1,6 +1,7 @@
 """Tiny GGUF files written with gguf.GGUFWriter the way llama.cpp's convert_hf_to_gguf.py writes them: Llama and
-Mistral as the `llama` architecture with q/k rows permuted, Qwen2 as `qwen2` unpermuted; 1-D tensors in F32, the
-matrices in the asked type; a byte-level BPE tokenizer (vocabulary, merges, control tokens) and a chat template."""
+Mistral as the `llama` architecture with q/k rows permuted, Qwen2 and Qwen3 unpermuted, Gemma 2 and 3 with every
+norm gain stored as 1 + w; 1-D tensors in F32, the matrices in the asked type; a byte-level BPE tokenizer
+(vocabulary, merges, control tokens) and a chat template."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType, TokenType
 from gguf.quants import quantize
 from tokenizers import Tokenizer
 
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+             "gemma3_text": "gemma3"}
 HF_TO_GGUF = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -23,18 +25,20 @@ LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
+    "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }
+GEMMA_LAYER = LAYER | {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                       "post_feedforward_layernorm": "post_ffw_norm"}
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-def gguf_name(name: str) -> str:
+def gguf_name(name: str, arch: str = "llama") -> str:
     if name in HF_TO_GGUF:
         return HF_TO_GGUF[name]
     _, _, layer, rest = name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{LAYER[module]}.{kind}"
+    return f"blk.{layer}.{(GEMMA_LAYER if arch.startswith('gemma') else LAYER)[module]}.{kind}"
 
 
 def permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -72,8 +76,23 @@ def write_gguf(path: Path, hf: torch.nn.Module, qtype: str = "F32", tokenizer: T
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # Gemma 3: the global layers' RoPE
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    if rope.get("rope_type", "default") == "linear":
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
     writer.add_vocab_size(cfg.vocab_size)
+    if arch in ("qwen3", "gemma2", "gemma3"):
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+    if arch in ("gemma2", "gemma3"):
+        writer.add_sliding_window(cfg.sliding_window)
+        if cfg.attn_logit_softcapping:
+            writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        if cfg.final_logit_softcapping:
+            writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if arch == "gemma3":
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
     if tokenizer is not None:
         add_tokenizer(writer, tokenizer, pre, eos)
     if chat_template is not None:
@@ -83,8 +102,10 @@ def write_gguf(path: Path, hf: torch.nn.Module, qtype: str = "F32", tokenizer: T
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     for name, tensor in state.items():
-        target = gguf_name(name)
+        target = gguf_name(name, arch)
         data = tensor.detach().float().numpy()
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            data = data + 1  # llama.cpp's Gemma norms multiply by the stored gain
         kind = target.split(".")[-2]
         if arch == "llama" and kind in heads:
             data = permute(data, heads[kind])

@@ -19,6 +19,7 @@ import torch
 from text_helpers import VOCAB, byte_tokenizer, make_engine
 
 from genserve.services.text import generate
+from genserve.services.text.engine.engine import EngineConfig, LLMEngine
 from genserve.services.text.engine.params import SamplingParams
 from genserve.services.text.loader import load_model
 from genserve.shared.blocks.paged import PagedBatch, PrefillChunk
@@ -79,9 +80,22 @@ def _randomise(model, unit_offset: bool) -> None:
                 t.copy_(0.08 * torch.randn(t.shape, generator=gen))
 
 
+_BUILT: dict[str, tuple] = {}
+
+
+def _build(arch: str, tmp_path_factory) -> tuple:
+    """(arch, transformers model, its saved folder with a byte tokenizer), built once per test session."""
+    if arch not in _BUILT:
+        _BUILT[arch] = _save(arch, tmp_path_factory)
+    return _BUILT[arch]
+
+
 @pytest.fixture(scope="module", params=sorted(_configs()))
 def checkpoint(request, tmp_path_factory):
-    arch = request.param
+    return _build(request.param, tmp_path_factory)
+
+
+def _save(arch: str, tmp_path_factory) -> tuple:
     cfg_cls, model_cls, extra = _configs()[arch]
     # eager: the attention that reads sinks (gpt-oss) and soft-capping (Gemma 2)
     hf = model_cls(cfg_cls(**{**COMMON, **extra}, attn_implementation="eager")).eval()
@@ -163,3 +177,80 @@ def test_greedy_generation_matches_transformers_alone_and_in_a_batch(checkpoint,
     assert results[0][1] == expected
     assert [len(r[1]) for r in results] == [p.max_tokens for p in params]
     assert engine.kv_blocks_free == engine.blocks.num_blocks
+
+
+# The attention variants the kernels gained: soft-capping (Gemma 2), QK-norm and two RoPE bases (Gemma 3), sinks
+# (gpt-oss), MLA's latent entries (DeepSeek-V3); the other families run the kernels as Llama does.
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "gpt_oss", "deepseek_v3"])
+def test_triton_kernels_give_the_same_greedy_tokens(arch, tmp_path_factory, monkeypatch):
+    """GENSERVE_BACKEND=triton under the interpreter: soft-capping and sinks run inside the flash and paged kernels,
+    MLA's absorbed attention through the same kernels as MQA over its latent entries."""
+    from genserve import kernels
+    from genserve.shared.blocks.backend import get_backend
+
+    _, hf, directory = _build(arch, tmp_path_factory)
+    calls = {"flash_attention": 0, "paged_decode_attention": 0}
+    for name in calls:
+        original = getattr(kernels, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(kernels, name, counted)
+    prompt = torch.randint(0, VOCAB, (13,), generator=torch.Generator().manual_seed(3)).tolist()
+    new = 6
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    engine = LLMEngine(load_model(directory, backend=get_backend("triton")), byte_tokenizer(),
+                       EngineConfig(block_size=4))
+    _, tokens, _ = engine.generate_batch([prompt], SamplingParams(max_tokens=new, temperature=0))[0]
+    assert tokens == expected[0, len(prompt):].tolist()
+    n_layers = engine.model.config.n_layers
+    assert calls["flash_attention"] >= n_layers and calls["paged_decode_attention"] >= n_layers * (new - 1)
+
+
+def test_an_architecture_not_served_is_refused_by_name_with_the_list():
+    from genserve.services.text.config import ARCHITECTURES, from_hf
+
+    raw = {"architectures": ["FalconForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+           "num_hidden_layers": 1, "num_attention_heads": 2}
+    with pytest.raises(ValueError, match="FalconForCausalLM") as exc:
+        from_hf(raw)
+    assert all(name in str(exc.value) for name in ARCHITECTURES)
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        from_hf({**raw, "architectures": ["DeepseekV3ForCausalLM"]})
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        from_hf({**raw, "architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.75})
+
+
+# GGUF files of the families llama.cpp defines, written as its converter writes them (gguf_helpers.py), with the
+# softmax scale its runtime assumes (1/sqrt(key_length)) so the file describes the same model; Qwen3's head_dim is
+# 128 here because transformers' GGUF reader takes Qwen3Config's default for it, not key_length (ours reads it).
+GGUF_CASES = {"qwen3": {"head_dim": 128}, "gemma2": {"query_pre_attn_scalar": 16},
+              "gemma3": {"query_pre_attn_scalar": 16}}
+
+
+@pytest.mark.parametrize("arch", sorted(GGUF_CASES))
+def test_gguf_files_match_transformers(arch, tmp_path):
+    import transformers
+    from gguf_helpers import write_gguf
+
+    cfg_cls, model_cls, extra = _configs()[arch]
+    hf = model_cls(cfg_cls(**{**COMMON, **extra, **GGUF_CASES[arch]}, attn_implementation="eager")).eval()
+    _randomise(hf, unit_offset=arch.startswith("gemma"))
+    path = write_gguf(tmp_path / f"{arch}.gguf", hf)
+
+    # The file holds the checkpoint's weights: transformers' own GGUF reader gets them back.
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name).state_dict()
+    for name, t in hf.state_dict().items():
+        assert torch.allclose(theirs[name], t, atol=1e-6), name
+
+    model = load_model(path)
+    assert model.config.architecture == type(hf).__name__
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (model(ids) - hf(ids).logits).abs().max().item() <= LOGITS_ATOL
+    prompt = ids[0, :PROMPT_LEN].tolist()
+    engine = LLMEngine(model, byte_tokenizer(), EngineConfig(block_size=4))
+    _, tokens, _ = engine.generate_batch([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0))[0]
+    assert tokens == _hf_greedy(hf, prompt)
