@@ -17,11 +17,21 @@ far apart the two images are (they should agree within 2/255). A tiny SD-shaped 
     python bench/diffusion.py --model /tmp/tiny-sd [--threads 2] [--repeats 3] [--steps 20]
 
     python bench/diffusion.py [--threads 1] [--repeats 5] [--weights services/diffusion/weights]
+
+With ``--dit DIR`` (an SD3- or Flux-format folder) it times the DiT row: our pipeline plus our VAE decode against
+diffusers' StableDiffusion3Pipeline / FluxPipeline at ``--size`` pixels (the folder's flow-match Euler, CFG for SD3,
+the guidance embedding for Flux). ``--cache THRESHOLD`` adds the step-caching rows: our pipeline without and with
+FirstBlockCache at that threshold, the steps it skipped, the speed ratio and the PSNR of the cached image against
+the uncached one (services/diffusion/step_cache.py). A random SD3-shaped folder to try it on:
+
+    python -m tests.services.diffusion.tiny_sd3 /tmp/sd3-bench --latent 64 --layers 4 --width 64
+    python bench/diffusion.py --dit /tmp/sd3-bench --size 512 --steps 28 --repeats 2 [--cache 0.08]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -149,6 +159,73 @@ def main_sd(args: argparse.Namespace) -> None:
               f"{statistics.median(theirs_times) / median:.2f}x | {min(theirs_times) / best:.2f}x |")
 
 
+def dit_sides(folder: Path, steps: int, guidance: float, size: int, cache: float | None = None
+              ) -> tuple[Callable, Callable, DiffusionPipeline]:
+    """(ours, diffusers', our pipeline) for an SD3- or Flux-format folder; each side returns (1, H, W, 3) in [0, 1].
+    ``cache``: ours runs with FirstBlockCache at that threshold (the diffusers side is then ours uncached)."""
+    import json
+
+    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+
+    from genserve.shared.blocks.autoencoder_kl_flow import load_flow_autoencoder_kl
+
+    pipe = DiffusionPipeline.from_dir(folder)
+    vae, _ = load_flow_autoencoder_kl(folder / "vae")
+
+    def run(threshold: float | None) -> Callable[[int], torch.Tensor]:
+        @torch.inference_mode()
+        def image(seed: int) -> torch.Tensor:
+            state = pipe.prepare([SD_PROMPT], steps=steps, guidance_scale=guidance, seed=seed, height=size,
+                                 width=size, cache_threshold=threshold)
+            while not state.done:
+                pipe.step(state)
+            image.skipped = getattr(state.context.step_cache, "skipped", 0)
+            return ((vae.decode(state.unscaled()).clamp(-1, 1) + 1) / 2).permute(0, 2, 3, 1)
+        return image
+
+    if cache is not None:
+        return run(cache), run(None), pipe
+    cls = FluxPipeline if json.loads((folder / "model_index.json").read_text())["_class_name"] == "FluxPipeline" \
+        else StableDiffusion3Pipeline
+    ref = cls.from_pretrained(folder)
+    ref.set_progress_bar_config(disable=True)
+
+    def theirs(seed: int) -> torch.Tensor:
+        return torch.from_numpy(ref(SD_PROMPT, num_inference_steps=steps, guidance_scale=guidance, height=size,
+                                    width=size, output_type="np",
+                                    generator=torch.Generator("cpu").manual_seed(seed)).images)
+
+    return run(None), theirs, pipe
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    """PSNR in dB of two images in [0, 1] at 8 bits."""
+    mse = (((a * 255).round() - (b * 255).round()) ** 2).mean().item()
+    return float("inf") if mse == 0 else 10 * math.log10(255**2 / mse)
+
+
+def main_dit(args: argparse.Namespace) -> None:
+    ours, theirs, pipe = dit_sides(args.dit, args.steps, args.guidance_scale, args.size, args.cache)
+    first_ours, first_theirs = ours(0), theirs(0)
+    ours_times, theirs_times = time_interleaved(ours, theirs, args.repeats)
+    params = sum(p.numel() for p in pipe.model.unet.parameters())
+    print(f"{args.dit}: {args.steps}-step flow-match Euler, guidance {args.guidance_scale}, {args.size}x{args.size}, "
+          f"{args.threads} thread(s), {args.repeats} interleaved images per side; transformer {params / 1e6:.2f}M")
+    if args.cache is None:
+        rows = (("diffusers", theirs_times), ("genserve DiffusionPipeline + VAE", ours_times))
+        print(f"largest pixel difference for seed 0: {(first_ours - first_theirs).abs().max().item() * 255:.0f}/255")
+    else:
+        rows = (("genserve, no step cache", theirs_times), (f"genserve, FirstBlockCache {args.cache}", ours_times))
+        print(f"steps skipped: {ours.skipped}/{args.steps}; PSNR of the cached image against the uncached one "
+              f"(seed 0): {psnr(first_ours, first_theirs):.1f} dB")
+    print("| pipeline | median ms / image | best ms / image | speed-up (median) | speed-up (best) |")
+    print("|---|---|---|---|---|")
+    for name, times in rows:
+        median, best = statistics.median(times), min(times)
+        print(f"| {name} | {median * 1e3:.1f} | {best * 1e3:.1f} | "
+              f"{statistics.median(theirs_times) / median:.2f}x | {min(theirs_times) / best:.2f}x |")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--weights", type=Path, default=None, help="our checkpoint (default: random demo config)")
@@ -158,6 +235,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--guidance-scale", type=float, default=None, help="default 3.0, or 7.5 with --model")
+    parser.add_argument("--dit", type=Path, default=None, help="an SD3- or Flux-format folder: the DiT rows")
+    parser.add_argument("--size", type=int, default=512, help="--dit: image side in pixels")
+    parser.add_argument("--cache", type=float, default=None, help="--dit: FirstBlockCache threshold rows")
     args = parser.parse_args(argv)
     if args.guidance_scale is None:
         args.guidance_scale = 7.5 if args.model is not None else 3.0
@@ -165,6 +245,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     if args.model is not None:
         main_sd(args)
+        return
+    if args.dit is not None:
+        main_dit(args)
         return
     model = load_diffusion(args.weights) if args.weights else LatentDiffusion(default_config()).eval()
     pipe = DiffusionPipeline(model)
