@@ -10,6 +10,7 @@ binary (`LLAMA_SERVER=path`, or `llama-server` on PATH); docs/benchmarks.md says
     .venv/bin/python bench/serving.py --address 127.0.0.1:9000 --health-address 127.0.0.1:9001 \
         --http-url http://127.0.0.1:8000/v1            # a running one
     .venv/bin/python bench/serving.py --batching [--port 9820 | --address ...]   # the image apps' batching only
+    .venv/bin/python -P bench/serving.py --tools [--rounds 5]  # a grammar-constrained tool call vs. no tools
     LLAMA_SERVER=.../llama-server .venv/bin/python -P bench/serving.py --paths   # only the paths table
 
 `--batching` prints, side by side, N concurrent one-image requests against one N-image request (GAN Sample and VAE
@@ -301,6 +302,62 @@ def engine_in_process(model_path: str, n: int) -> tuple[str, np.ndarray, str]:
     return "Generate 16 tokens, engine in-process", ms, f"{int(np.median(tokens))} tokens, no gRPC/Serve"
 
 
+TOOL_WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                "required": ["city", "unit"], "additionalProperties": False}
+TOOL_GOAL = 1.15  # issue 32: a grammar-constrained call costs at most this times the time per token without tools
+
+
+async def _decode_ms_per_token(app: Any, request: Any) -> tuple[float, int]:
+    """The replica handler's stream for `request`: ms per token after the first (prefill excluded), and tokens."""
+    first, tokens = None, 0
+    async for chunk in app.GenerateStream(request):
+        if chunk.token_ids and first is None:
+            first, tokens = time.perf_counter(), len(chunk.token_ids) - 1
+        elif chunk.token_ids:
+            tokens += len(chunk.token_ids)
+    return 1000 * (time.perf_counter() - first) / max(1, tokens), tokens + 1
+
+
+def tool_rows(model_path: str | None, rounds: int) -> str:
+    """The tools table (issue 32): the same chat streamed by the text replica's own handler (in this process, no
+    Ray or gRPC: the grammar's share alone), with tool_choice "required" and without tools, alternating, greedy;
+    decode time per token (after the first) of each, their medians and the ratio against the goal."""
+    from genserve.services.text import default_model
+    from genserve.services.text.app import TextGeneration
+    from genserve.v1 import text_pb2
+
+    path = model_path or str(default_model.cached())
+    app = TextGeneration.func_or_class(path)
+    app.engine.engine.grammars.warm_up()
+    messages = [text_pb2.ChatMessage(role="user", content="What is the weather in Paris?")]
+    tool = text_pb2.Tool(name="get_weather", description="The current weather in a city.",
+                         parameters=json.dumps(TOOL_WEATHER))
+    plain = text_pb2.TextRequest(messages=messages, temperature=0, max_tokens=48)
+    called = text_pb2.TextRequest(messages=messages, temperature=0, max_tokens=48, tools=[tool],
+                                  tool_choice="required")
+    times: dict[str, list[float]] = {"without tools": [], "tool_choice required": []}
+    counts: dict[str, int] = {}
+
+    async def run() -> None:
+        for _ in range(rounds + 1):  # the first round warms both paths up and is dropped
+            for name, request in (("without tools", plain), ("tool_choice required", called)):
+                ms, counts[name] = await _decode_ms_per_token(app, request)
+                times[name].append(ms)
+
+    asyncio.run(run())
+    app.engine.shutdown()
+    base = float(np.median(times["without tools"][1:]))
+    lines = [f"Tool calls (issue 32): decode ms per token, {Path(path).name}, replica handler in-process, greedy, "
+             f"median of {rounds}", "", "| request | tokens | ms/token | ratio |", "|---|---:|---:|---:|"]
+    for name, values in times.items():
+        median = float(np.median(values[1:]))
+        lines.append(f"| {name} | {counts[name]} | {median:.1f} | {median / base:.2f}x |")
+    ratio = float(np.median(times["tool_choice required"][1:])) / base
+    lines += ["", f"goal: at most {TOOL_GOAL}x -> {'PASS' if ratio <= TOOL_GOAL else 'FAIL'} ({ratio:.2f}x)"]
+    return "\n".join(lines)
+
+
 def table(rows: list[tuple[str, np.ndarray, str]]) -> str:
     base = float(np.median(rows[0][1]))
     lines = [f"| {'call':44} | {'n':>4} | {'p50 ms':>8} | {'p99 ms':>8} | {'p50 / plain':>11} | note",
@@ -401,6 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--images", type=int, default=32, help="N of the batching table's GAN and VAE rows")
     parser.add_argument("--diffusion-images", type=int, default=8, help="N of its diffusion rows")
     parser.add_argument("--port", type=int, default=9300, help="gRPC port of the stack the bench starts")
+    parser.add_argument("--tools", action="store_true", help="only the tools table: a required tool call's time "
+                        "per token against the same chat without tools, on the text replica's handler in-process")
+    parser.add_argument("--model", help="with --tools: the GGUF file or checkpoint (default: the default model)")
     parser.add_argument("--tls-ca", metavar="FILE", help="a running stack with TLS: gRPC and HTTPS trusting this CA")
     parser.add_argument("--behind", metavar="ADDR", help="with --tls-ca: Serve's own gRPC proxy behind the front "
                         "(the gRPC port + 20000), timed against the front")
@@ -408,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
     args.tls = ClientTls(ca=args.tls_ca) if args.tls_ca else None
     args.verify = ssl.create_default_context(cafile=args.tls_ca) if args.tls_ca else True
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if args.tools:
+        print(tool_rows(args.model, args.rounds))
+        return 0
     if args.batching:
         if args.address is not None:
             print(batching_table(batching_rows(args.address, args.images, args.rounds, args.diffusion_images)))

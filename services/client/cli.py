@@ -15,6 +15,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from . import requests
 from .errors import GenserveError, Unavailable
@@ -70,21 +71,46 @@ def cmd_text(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
-def _stream_answer(client: Client, messages: list[dict[str, str]], args: argparse.Namespace) -> str:
-    """Print the assistant's answer as it streams in; returns it whole."""
-    options = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    parts = []
+def _stream_answer(client: Client, messages: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """Print the assistant's answer as it streams in, then each call it made as `call NAME(ARGUMENTS)  [id]`;
+    returns the assistant's turn (content and tool_calls) for the history."""
+    options = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                   tools=args.tools, tool_choice=args.tool_choice)
+    parts: list[str] = []
+    calls: dict[int, dict[str, str]] = {}
     for chunk in client.generate_stream(messages=messages, **options):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
         parts.append(chunk.text)
-    print()
-    return "".join(parts)
+        for piece in chunk.tool_calls:
+            call = calls.setdefault(piece.index, {"id": "", "name": "", "arguments": ""})
+            call["id"] += piece.id
+            call["name"] += piece.name
+            call["arguments"] += piece.arguments
+    if parts and "".join(parts).strip():
+        print()
+    for call in calls.values():
+        print(f"call {call['name']}({call['arguments']})  [{call['id']}]")
+    turn: dict[str, Any] = {"role": "assistant", "content": "".join(parts)}
+    if calls:
+        turn["tool_calls"] = list(calls.values())
+    return turn
+
+
+def _read_tools(path: Path | None) -> list[dict[str, Any]]:
+    """`--tools FILE.json`: a JSON list of OpenAI function tools."""
+    if path is None:
+        return []
+    tools = json.loads(path.read_text())
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise SystemExit(f"{path}: --tools needs a JSON list of tools ({{\"type\": \"function\", \"function\": ...}})")
+    return tools
 
 
 def cmd_chat(client: Client, args: argparse.Namespace) -> int:
     """One question (`genserve chat "..."`), or an interactive loop that keeps the history: /reset, Ctrl-D."""
     system = [{"role": "system", "content": args.system}] if args.system else []
+    args.tools = _read_tools(args.tools_file)
     if args.question is not None:
         _stream_answer(client, [*system, {"role": "user", "content": args.question}], args)
         return 0
@@ -102,7 +128,7 @@ def cmd_chat(client: Client, args: argparse.Namespace) -> int:
             print("(history cleared)", file=sys.stderr)
         elif line:
             history.append({"role": "user", "content": line})
-            history.append({"role": "assistant", "content": _stream_answer(client, history, args)})
+            history.append(_stream_answer(client, history, args))
 
 
 def cmd_tokenize(client: Client, args: argparse.Namespace) -> int:
@@ -229,6 +255,9 @@ def _client_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int)
+    p.add_argument("--tools", dest="tools_file", type=Path, metavar="FILE.json",
+                   help="a JSON list of OpenAI function tools the model may call; its calls are printed")
+    p.add_argument("--tool-choice", help="auto (default with --tools), none, required, or a tool's name")
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("tokenize", help="token ids of a text (TextGeneration.Tokenize)", parents=common)

@@ -4,8 +4,10 @@ proto3 `optional` fields keep the server's documented defaults."""
 from __future__ import annotations
 
 import array
+import json
 import struct
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from genserve.v1 import common_pb2, diffusion_pb2, gan_pb2, text_pb2, vae_pb2
 
@@ -33,16 +35,38 @@ def text_request(
     logprobs: int | None = None,
     json_schema: str | None = None,
     regex: str | None = None,
+    tools: Sequence[dict[str, Any]] = (),
+    tool_choice: str | None = None,
+    parallel_tool_calls: bool | None = None,
+    enable_thinking: bool | None = None,
+    reasoning_effort: str | None = None,
 ) -> text_pb2.TextRequest:
+    """`tools`: OpenAI's function tools ({"type": "function", "function": {...}}) or their `function` objects;
+    `tool_choice`: "auto", "none", "required" or a tool's name. Messages may carry `tool_calls` ({id, name,
+    arguments}) and `tool_call_id`."""
     request = text_pb2.TextRequest(
-        prompt=prompt, messages=[text_pb2.ChatMessage(**m) for m in messages], stop=list(stop)
+        prompt=prompt, messages=[text_pb2.ChatMessage(**m) for m in messages], stop=list(stop),
+        tools=[tool_message(t) for t in tools],
     )
+    if tool_choice in ("auto", "none", "required"):
+        request.tool_choice = tool_choice
+    elif tool_choice:
+        request.tool_choice, request.tool_name = "function", tool_choice
     _set(
         request, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, min_p=min_p,
         repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, logprobs=logprobs, json_schema=json_schema, regex=regex,
+        parallel_tool_calls=parallel_tool_calls, enable_thinking=enable_thinking, reasoning_effort=reasoning_effort,
     )
     return request
+
+
+def tool_message(tool: dict[str, Any]) -> text_pb2.Tool:
+    """An OpenAI function tool (or its `function` object) as a genserve.v1.Tool; its schema travels as JSON text."""
+    function = tool.get("function", tool)
+    parameters = function.get("parameters")
+    return text_pb2.Tool(name=function.get("name", ""), description=function.get("description") or "",
+                         parameters=json.dumps(parameters) if parameters is not None else "")
 
 
 def tokenize_request(text: str = "", *, messages: Sequence[dict[str, str]] = ()) -> text_pb2.TokenizeRequest:
