@@ -81,7 +81,7 @@ def scan_object(text: str, start: int = 0) -> ObjectScan | None:
             elif c == '"':
                 in_string = False
                 if depth == 1 and state == "in_key":
-                    key, state = json.loads(text[mark:pos + 1]), "colon"
+                    key, state = _key(text[mark:pos + 1]), "colon"
             continue
         if c in " \t\r\n":
             continue
@@ -104,6 +104,15 @@ def scan_object(text: str, start: int = 0) -> ObjectScan | None:
         elif depth == 1 and c == "," and state == "in_value":
             fields[key], state = (fields[key][0], _value_end(text, pos)), "key"
     return ObjectScan(fields, None)
+
+
+def _key(quoted: str) -> str:
+    """A key's text; one that is no valid JSON string (a raw control character) keeps its quotes, so it matches no
+    field the parsers look for."""
+    try:
+        return json.loads(quoted)
+    except ValueError:
+        return quoted
 
 
 def _value_end(text: str, delimiter: int) -> int:

@@ -282,3 +282,19 @@ def test_sampled_calls_always_validate(demo, fmt, choice, tools):
         assert finish_reason in ("eos", "stop") and len(parsed.calls) == 1, text
         for call in parsed.calls:
             jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+
+
+def test_parsers_never_raise_on_any_text():
+    """Whatever a model writes (markup, broken JSON, raw control characters in keys), reading it never fails."""
+    import random
+
+    pieces = ["<tool_call>", "</tool_call>", "{", "}", "[", "]", '"name"', '"arguments"', '"parameters"', ":", ",",
+              '"', "\\", "a", " ", "\n", "\x01", "[TOOL_CALLS]", "<think>", "</think>", '"response"', '"tool_calls"',
+              "<|python_tag|>", ";", "1", "\\u00e9", "\\u12"]
+    rng = random.Random(0)
+    for _ in range(400):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
+        for fmt in (None, *REPLIES):
+            parsed = parse(text, fmt, reasoning=True)
+            assert all(c.name and c.complete for c in parsed.calls)
+            stream(text, fmt, 3, reasoning=True)
