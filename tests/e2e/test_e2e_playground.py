@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from PIL import Image
+from playwright.sync_api import expect
 
 from genserve.services.client import Client
 from tests.e2e.playground import (
@@ -92,6 +93,8 @@ def test_a_chat_answer_streams_in_with_its_timings_and_stays_after_a_reload(page
     assert_fits_a_phone(page)
 
 
+# How long the models panel may take to show a change: its 2 s refresh after Ray's metrics export (1 s in e2e).
+LIVE_MS = 15_000
 # An answer that cannot end before its max tokens, whatever the model: a JSON string longer than they can hold.
 LONG_ANSWER = {"type": "object", "properties": {"story": {"type": "string", "minLength": 4000}}, "required": ["story"]}
 
@@ -244,7 +247,7 @@ def test_a_vae_upload_shows_the_image_and_its_reconstruction(page, tmp_path) -> 
         screenshot(page, "images")
 
 
-def test_the_models_panel_shows_each_service_and_live_kv_blocks(page, client: Client) -> None:
+def test_the_models_panel_shows_each_service_and_live_kv_blocks(page, stack, client: Client) -> None:
     page.get_by_role("tab", name="Chat").focus()
     page.keyboard.press("ArrowRight")
     page.keyboard.press("ArrowRight")  # the tabs follow the arrow keys
@@ -259,4 +262,17 @@ def test_the_models_panel_shows_each_service_and_live_kv_blocks(page, client: Cl
         assert "SERVING" in page.get_by_role("region", name=name).text_content()
     assert "32x32" in page.get_by_role("region", name="Diffusion").text_content()
     assert_fits_a_phone(page)
+    # Live: an answer in flight shows in the next refreshes (KV blocks held, one request running), then leaves.
+    idle = f"0 of {info.kv_blocks_total}"
+    kv, running = text.locator("dd", has_text=f" of {info.kv_blocks_total}"), text.locator("dt:text-is('running') + dd")
+    body = {"model": "text", "messages": [{"role": "user", "content": "Tell a long story"}], "stream": True,
+            "max_tokens": min(1024, info.max_context - 64),
+            "response_format": {"type": "json_schema", "json_schema": {"name": "story", "schema": LONG_ANSWER}}}
+    with httpx.Client(base_url=stack.http_url, timeout=60) as http, \
+            http.stream("POST", "/chat/completions", json=body) as response:
+        lines = response.iter_lines()  # kept: closing it would close the stream
+        assert next(line for line in lines if line.startswith("data: ")).startswith("data: {")
+        expect(kv).not_to_have_text(idle, timeout=LIVE_MS)
+        expect(running).to_have_text("1", timeout=LIVE_MS)
+    expect(kv).to_have_text(idle, timeout=LIVE_MS)  # the closed stream freed its blocks
     screenshot(page, "models")
