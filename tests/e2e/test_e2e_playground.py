@@ -208,7 +208,7 @@ def test_an_invalid_setting_shows_the_servers_message_next_to_it(page, stack) ->
     assert page.get_by_role("textbox", name="Message").input_value() == "Hello"
 
 
-def test_a_gan_seed_walk_shows_its_frames(page) -> None:
+def test_a_gan_seed_walk_shows_its_frames(page, tmp_path, monkeypatch) -> None:
     form = _images_tab(page, "GAN samples")
     form.get_by_role("spinbutton", name="Walk frames").fill("6")
     form.get_by_role("button", name="Seed walk").click()
@@ -217,6 +217,12 @@ def test_a_gan_seed_walk_shows_its_frames(page) -> None:
     assert frames.count() == 6
     sources = {frames.nth(i).get_attribute("src") for i in range(6)}
     assert len(sources) == 6  # six different images along the walk
+    form.get_by_role("button", name="Python").click()  # the same request as a script, run here: the same PNGs
+    monkeypatch.chdir(tmp_path)
+    exec(compile(form.get_by_label("GAN request as code").text_content(), "snippet.py", "exec"), {})
+    written = {f"data:image/png;base64,{base64.b64encode((tmp_path / f'image-{i}.png').read_bytes()).decode()}"
+               for i in range(6)}
+    assert written == sources
 
 
 def test_a_vae_upload_shows_the_image_and_its_reconstruction(page, tmp_path) -> None:

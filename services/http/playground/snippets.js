@@ -52,9 +52,11 @@ export function pythonImages(body, hasKey) {
     + "    open(f\"image-{i}.png\", \"wb\").write(base64.b64decode(image.b64_json))\n";
 }
 
-/** A route the openai SDK does not know (the GAN, the VAE) through its plain client.post. */
+/** A playground route (the GAN, the VAE): not an OpenAI one, so plain httpx (what the openai SDK runs on). */
 export function pythonPost(path, body, hasKey) {
-  return `import base64\n${client(hasKey)}result = client.post(${python(path)}, body=${python(body)}, cast_to=object)\n`
+  const auth = hasKey ? ', headers={"Authorization": f"Bearer {os.environ[\'GENSERVE_API_KEY\']}"}' : "";
+  return `import base64\nimport os\n\nimport httpx\n\n`
+    + `result = httpx.post(${python(origin() + path)}, json=${python(body)}${auth}, timeout=60).json()\n`
     + "for i, image in enumerate(result[\"images\"]):\n"
     + "    open(f\"image-{i}.png\", \"wb\").write(base64.b64decode(image[\"b64_json\"]))\n";
 }
