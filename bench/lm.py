@@ -16,6 +16,10 @@ validation text. The engines run with their default EngineConfig.max_lookahead (
 8 decode steps per fused fp32 CPU kernel call; ``--max-lookahead 1`` measures one step per call).
 Prints medians with min-max over ``--repeats`` runs and the ratios against HF.
 
+With ``--arch moe`` or ``--arch mla`` the random checkpoint is a Qwen3-MoE (16 experts, top 4) or a DeepSeek-V3-shaped
+model with multi-head latent attention and dense FFNs (issue 31), benched as (a) and (b) in fp32 against HF, with
+the KV-cache bytes per token beside those of the same width's MHA and GQA (the Llama config's 2 KV heads).
+
 With ``--model`` the weights are a GGUF file's: transformers loads it dequantised to fp32 (``gguf_file=``), the
 engines load it through genserve.services.text.loader in fp32, bf16 and int8, and with its Q8_0/Q4_0/Q4_1 projections
 kept in the file's own blocks (QuantLinear, ``keep_quantized=True``). When llama-cpp-python is importable, llama.cpp
@@ -44,6 +48,14 @@ from genserve.services.text.loader import load_model, open_gguf
 FULL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
             num_key_value_heads=2, max_position_embeddings=1024)
 SMALL = dict(FULL, hidden_size=128, intermediate_size=256, num_hidden_layers=2, vocab_size=4096)
+# --arch: the same width and depth; MoE with 16 experts of FFN width 512, top 4 (about 4x the Llama's FFN weights,
+# the same FFN compute per token); MLA with a 96 + 32 wide latent entry per token and layer, 1/8 of MHA's 2 x 8 x 64.
+ARCH_EXTRA = {
+    "moe": dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=512, norm_topk_prob=True, head_dim=64),
+    "mla": dict(num_key_value_heads=8, kv_lora_rank=96, q_lora_rank=256, qk_rope_head_dim=32, qk_nope_head_dim=64,
+                v_head_dim=64, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+                first_k_dense_replace=FULL["num_hidden_layers"], n_group=1, topk_group=1),
+}
 PROMPT_LEN, NEW_TOKENS, CONCURRENT = 32, 128, 16
 SYSTEM_LEN, USER_LEN = 512, 32
 HF = "HF fp32"
@@ -72,14 +84,32 @@ class NullTokenizer:
         return ""
 
 
-def hf_checkpoint(cfg: dict, directory: Path):
+def hf_checkpoint(cfg: dict, directory: Path, arch: str = "llama"):
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg, eos_token_id=None, bos_token_id=None,
-                                                                   pad_token_id=0)).eval()
+    cls_cfg, cls_model = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                          "moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+                          "mla": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM)}[arch]
+    extra = dict(ARCH_EXTRA.get(arch, {}))
+    if arch == "mla":  # every layer dense, however many the config has
+        extra["first_k_dense_replace"] = cfg["num_hidden_layers"]
+    model = cls_model(cls_cfg(**{**cfg, **extra}, eos_token_id=None, bos_token_id=None, pad_token_id=0)).eval()
     model.save_pretrained(directory)
     return model
+
+
+def kv_line(engine: LLMEngine, cfg: dict) -> str:
+    """KV-cache bytes per token (fp32) of the engine's model against MHA and the Llama config's GQA of the same
+    width."""
+    heads, width, apart = engine.model.config.kv_cache_layout
+    per_token = cfg["num_hidden_layers"] * heads * width * (2 if apart else 1) * 4
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    mha = cfg["num_hidden_layers"] * 2 * cfg["num_attention_heads"] * head_dim * 4
+    gqa = cfg["num_hidden_layers"] * 2 * FULL["num_key_value_heads"] * head_dim * 4
+    return (f"KV cache per token: {per_token} B ({heads} x {width}{' x 2' if apart else ', keys = values'} per layer)"
+            f" = {per_token / mha:.3f} of MHA ({mha} B), {per_token / gqa:.3f} of GQA with "
+            f"{FULL['num_key_value_heads']} KV heads ({gqa} B)")
 
 
 def engine_for(directory: Path, dtype: str, max_lookahead: int, prefix_caching: bool = False,
@@ -420,6 +450,29 @@ def bench_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_arch(args: argparse.Namespace) -> int:
+    """(a) and (b) for a MoE or MLA checkpoint, fp32 engine against HF, and the KV bytes per token."""
+    cfg = SMALL if args.small else FULL
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = hf_checkpoint(cfg, Path(tmp), args.arch)
+        engine = engine_for(Path(tmp), "float32", args.max_lookahead)
+    prompt = torch.randint(1, cfg["vocab_size"], (PROMPT_LEN,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompts, budgets = mixed_requests(cfg["vocab_size"])
+    if args.small:  # a smoke test: short prompts and budgets
+        prompts, budgets = [p[:48] for p in prompts], [min(b, 24) for b in budgets]
+    name = f"engine fp32 {args.arch}"
+    systems = {HF: hf_system(hf), name: engine_system(engine)}
+    runs = measure(systems, prompt, prompts, budgets, args.repeats)
+    params = sum(p.numel() for p in hf.parameters())
+    print(f"config: {type(hf).__name__} {cfg} {ARCH_EXTRA[args.arch]}, {params / 1e6:.1f} M parameters, fp32, "
+          f"{args.threads} threads, {args.repeats} repeats, {args.clock} clock")
+    print("goals (issue 31): 16 mixed >= 2x HF; MLA KV bytes per token <= 1/8 of the same width's")
+    summary = print_table(systems, runs)
+    print(f"16 mixed: {summary[name][1] / summary[HF][1]:.2f}x HF")
+    print(kv_line(engine, cfg))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -431,11 +484,15 @@ def main() -> int:
     parser.add_argument("--max-lookahead", type=int, default=EngineConfig.max_lookahead,
                         help="greedy decode steps per fused kernel call (1: one step per call)")
     parser.add_argument("--prefix-only", action="store_true", help="run (d), the prefix-caching TTFT, alone")
+    parser.add_argument("--arch", choices=("llama", "moe", "mla"), default="llama",
+                        help="the random checkpoint's architecture (module docstring)")
     args = parser.parse_args()
     _clock[0] = _CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
     if args.model:
         return bench_gguf(args)
+    if args.arch != "llama":
+        return bench_arch(args)
     cfg = SMALL if args.small else FULL
     with tempfile.TemporaryDirectory() as tmp:
         hf = hf_checkpoint(cfg, Path(tmp))

@@ -78,8 +78,8 @@ def _sm_scale(cfg: LlamaConfig) -> float:
     """The softmax scale: 1/sqrt(head width), Gemma's query_pre_attn_scalar, and for MLA with YaRN the square of
     YaRN's mscale (DeepSeek-V2's reference code scales every score dimension, not only the rotated ones)."""
     if cfg.query_pre_attn_scalar:
-        return cfg.query_pre_attn_scalar ** -0.5
-    scale = cfg.head_dim ** -0.5
+        return 1.0 / math.sqrt(cfg.query_pre_attn_scalar)
+    scale = 1.0 / math.sqrt(cfg.head_dim)  # as the attention block computes its default, to the last bit
     scaling = dict(cfg.rope_scaling)
     if cfg.mla and cfg.rope_type == "yarn" and scaling.get("mscale_all_dim") and scaling.get("factor", 1) > 1:
         mscale = 0.1 * scaling["mscale_all_dim"] * math.log(scaling["factor"]) + 1.0

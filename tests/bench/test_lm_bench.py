@@ -66,3 +66,20 @@ def test_goal_lines_state_each_ratio_and_verdict_with_and_without_llama_cpp() ->
     assert lines[4].endswith("engine fp32 1.56x MISSED, engine Q4_1 3.20x met")
     without = lm.goal_lines({k: v for k, v in summary.items() if not k.startswith("llama")}, "engine Q4_1", None)
     assert without[:3] == lines[:3] and "not measured" in without[3] and len(without) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["moe", "mla"])
+def test_lm_bench_arch_rows_print_the_ratio_and_the_kv_bytes(arch: str) -> None:
+    """`bench/lm.py --arch moe|mla` (issue 31): HF and the engine side by side, the 16-mixed ratio, and the KV bytes
+    per token, MLA's one latent entry (keys = values) against MHA's."""
+    done = subprocess.run([sys.executable, "bench/lm.py", "--arch", arch, "--small", "--repeats", "1", "--threads",
+                           "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {line.split(" | ")[0].strip(): line.split(" | ") for line in done.stdout.splitlines() if " | " in line}
+    assert list(rows) == ["system", "HF fp32", f"engine fp32 {arch}"]
+    assert float(rows[f"engine fp32 {arch}"][4]) > 0
+    kv = next(line for line in done.stdout.splitlines() if line.startswith("KV cache per token"))
+    # SMALL: 2 layers, 8 heads of 16; MLA caches 96 + 32 values per layer, MHA 2 x 8 x 16
+    assert kv.startswith("KV cache per token: 1024 B (1 x 128, keys = values" if arch == "mla" else
+                         "KV cache per token: 2048 B (2 x 64 x 2")
