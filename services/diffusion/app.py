@@ -39,7 +39,7 @@ from genserve.services.common.images import image_messages, tensor_from_message,
 from genserve.services.common.metrics import ServiceMetrics
 from genserve.services.common.rpc import streaming, unary, unknown_rpcs
 from genserve.services.common.validation import parse
-from genserve.services.diffusion.edit_inputs import edit_inputs, png_bytes
+from genserve.services.diffusion.edit_inputs import edit_inputs, masked_image, png_bytes
 from genserve.services.diffusion.edits import Posterior
 from genserve.services.diffusion.pipeline import DiffusionPipeline
 from genserve.services.diffusion.schema import KNOWN_ERRORS, MAX_REQUEST_ROWS, DiffusionIn
@@ -110,6 +110,9 @@ class Diffusion:
             raise InvalidArgument("preview_every", "this model has no preview; use 0")
         seed = resolve_seed(req.seed)
         init = None if image is None else await self._encode(image)
+        masked = None
+        if self.pipe.model.inpainting_unet and image is not None and mask is not None:
+            masked = await self._encode(masked_image(image, mask))  # what a 9-channel inpainting U-Net reads
         loop, queue, cancel = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
         start = time.perf_counter()
 
@@ -126,7 +129,7 @@ class Diffusion:
                 [req.prompt] * req.num_images, [req.negative_prompt] * req.num_images, steps=req.steps,
                 guidance_scale=req.guidance_scale, seed=seed, scheduler=req.scheduler or None, eta=req.eta,
                 height=height, width=width, guidance=req.guidance or None, negative_weight=req.negative_weight,
-                init=init, strength=req.edit_strength, mask=mask, cache_threshold=req.cache_threshold,
+                init=init, strength=req.edit_strength, mask=mask, cache_threshold=req.cache_threshold, masked=masked,
             )
             cache = getattr(state.context, "step_cache", None)
             if cache is not None:  # count the steps it skipped once the request is done

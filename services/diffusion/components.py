@@ -56,6 +56,8 @@ class DiffusionComponents:
     flow_spacing: str = "default"  # "linspace" for Flux (services/diffusion/flow_match.py)
     # Image sides must be multiples of this (SD3: the VAE's 8 × the 2×2 patches); None: vae_scale_factor.
     size_multiple: int | None = None
+    # A 9-channel inpainting U-Net (latents, mask, masked image's latents): it only edits, with a mask.
+    inpainting_unet: bool = False
 
     def uses_guidance(self, guidance_scale: float) -> bool:
         """Whether a step runs the unconditional half next to the conditional one."""

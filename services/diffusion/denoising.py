@@ -62,6 +62,8 @@ class Denoising:
     def model_input(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The next step's U-Net rows: inputs (kN, C, h, w), timesteps (kN,) and their embedding (1, temb_dim)."""
         x = self.sampler.scale_model_input(self.latents, self.index)
+        if self.inpainting is not None:
+            x = self.inpainting.condition(x)  # (N, 2C + 1, h, w) for a 9-channel inpainting U-Net
         rows = self.rows
         return torch.cat([x] * self.passes), self.timesteps[self.index].expand(rows), \
             self.tembs[self.index : self.index + 1]

@@ -59,3 +59,11 @@ def png_bytes(img: PILImage.Image) -> bytes:
     buffer = io.BytesIO()
     img.save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+def masked_image(image: PILImage.Image, mask: torch.Tensor) -> PILImage.Image:
+    """The image with the mask's region (>= 0.5) set to the middle of the range, as diffusers' inpainting pipeline
+    multiplies the [-1, 1] image by (mask < 0.5): 0 there is grey 127.5, here 128 (PNG holds whole values)."""
+    keep = (mask[0, 0] < 0.5).numpy()[..., None]  # (H, W, 1)
+    pixels = np.where(keep, np.asarray(image), 128).astype(np.uint8)
+    return PILImage.fromarray(pixels)

@@ -46,9 +46,17 @@ class Inpainting:
     image_latents: torch.Tensor
     noise: torch.Tensor
     mask: torch.Tensor
+    # A 9-channel inpainting U-Net reads (mask, masked image's latents) beside the latents and is not blended.
+    masked_latents: torch.Tensor | None = None
+
+    def condition(self, x: torch.Tensor) -> torch.Tensor:
+        """The U-Net input: x (N, C, h, w), with the mask and the masked image's latents for a 9-channel U-Net."""
+        return x if self.masked_latents is None else torch.cat([x, self.mask, self.masked_latents], dim=1)
 
     def blend(self, sampler, latents: torch.Tensor, next_index: int, steps: int) -> torch.Tensor:
         """Keep the generated latents inside the mask and the image's, noised to step ``next_index``, outside."""
+        if self.masked_latents is not None:
+            return latents
         proper = self.image_latents
         if next_index < steps:
             proper = add_noise(sampler, proper, self.noise, next_index)

@@ -183,12 +183,15 @@ class DiffusionPipeline:
         strength: float = 1.0,
         mask: torch.Tensor | None = None,
         cache_threshold: float | None = None,
+        masked: Posterior | None = None,
     ) -> Denoising:
         """One request, validated, its text encoded and its noise drawn, before its first step (the arguments are
         ``generate``'s). ``init`` (the VAE's posterior of an image at the request's size) makes it image-to-image
         from ``strength``; ``mask`` (1 or N, 1, H, W) in [0, 1], 1 = repaint, with ``init`` makes it inpainting
         (services/diffusion/edits.py). ``cache_threshold`` turns FirstBlockCache on for a diffusion transformer
-        (services/diffusion/step_cache.py); None: off."""
+        (services/diffusion/step_cache.py); None: off. ``masked``: the posterior of
+        the image with the mask's region blacked out (image · (mask < 0.5)), which a 9-channel inpainting U-Net
+        reads."""
         scheduler = scheduler or self.model.default_scheduler
         guidance = guidance or self.model.default_guidance
         negative_weight = self.model.default_negative_weight if negative_weight is None else negative_weight
@@ -211,6 +214,8 @@ class DiffusionPipeline:
         timesteps = sampler.set_timesteps(steps)
         shape = (n, *self.latent_shape_for(*size))
         start, inpainting = 0, None
+        if self.model.inpainting_unet and (init is None or mask is None or masked is None):
+            raise ValueError("mask: this is an inpainting model; it needs init_image and mask")
         if init is None:
             if mask is not None:
                 raise ValueError("mask: inpainting needs an init_image")
@@ -218,7 +223,8 @@ class DiffusionPipeline:
             latents = torch.randn(shape, generator=generator).to(self.device) * sampler.init_noise_sigma
         else:
             start = start_index(steps, strength, self.model.flow is not None)
-            latents, inpainting = self._edit_start(init, mask, shape, size, sampler, generator, start, strength)
+            latents, inpainting = self._edit_start(init, mask, shape, size, sampler, generator, start, strength,
+                                                   masked)
         # Like the text, the timesteps are known before the first step: embed them all in one batch.
         tembs = self.model.unet.time_embed(timesteps.to(self.device), latents.dtype)  # (steps, temb_dim)
         return Denoising(latents, sampler, timesteps.to(self.device), tembs, cache, guidance, guidance_scale,
@@ -226,7 +232,7 @@ class DiffusionPipeline:
                          shift_factor=self.model.shift_factor, inpainting=inpainting)
 
     def _edit_start(self, init: Posterior, mask: torch.Tensor | None, shape: tuple[int, ...], size: tuple[int, int],
-                    sampler, generator: torch.Generator, start: int, strength: float
+                    sampler, generator: torch.Generator, start: int, strength: float, masked: Posterior | None = None
                     ) -> tuple[torch.Tensor, Inpainting | None]:
         """The first latents of an edit: the image's posterior sample, scaled and noised to step ``start``; with a
         mask, also what the blending needs. Draws in diffusers' order (edits.py)."""
@@ -237,15 +243,22 @@ class DiffusionPipeline:
             hw = shape[2:] if name == "init_image" else size
             if value.dim() != 4 or value.shape[0] not in (1, n) or tuple(value.shape[1:]) != (channels, *hw):
                 raise ValueError(f"{name}: expected (1 or {n}, {channels}, {hw[0]}, {hw[1]}), got {tuple(value.shape)}")
-        x0 = init.sample(generator)  # (1 or N, C, h, w)
+        # diffusers' inpainting with a 9-channel U-Net at strength 1 never samples the image itself
+        unused = self.model.inpainting_unet and mask is not None and strength == 1.0
+        x0 = torch.zeros(shape, device=self.device) if unused else init.sample(generator)  # (1 or N, C, h, w)
         x0 = (torch.cat([x0] * (n // x0.shape[0])) - self.model.shift_factor) * self.model.scaling_factor
         noise = torch.randn(shape, generator=generator).to(self.device)
         if mask is None:
             return add_noise(sampler, x0, noise, start), None
-        torch.randn(init.mean.shape, generator=generator)  # diffusers samples the masked image's posterior here
+        # diffusers samples the masked image's posterior here (a 4-channel U-Net does not read it)
+        masked_latents = (masked or init).sample(generator)
         m = latent_mask(mask.to(self.device, x0.dtype), shape[2:])
         latents = noise * sampler.init_noise_sigma if strength == 1.0 else add_noise(sampler, x0, noise, start)
-        return latents, Inpainting(x0, noise, torch.cat([m] * (n // m.shape[0])))
+        if self.model.inpainting_unet:
+            masked_latents = torch.cat([masked_latents] * (n // masked_latents.shape[0])) * self.model.scaling_factor
+        else:
+            masked_latents = None
+        return latents, Inpainting(x0, noise, torch.cat([m] * (n // m.shape[0])), masked_latents)
 
     def encode_context(self, texts: list[str]) -> ContextCache:
         """The denoiser's context for these texts: TextConditioning for a DiT, else the encoder's states."""

@@ -26,7 +26,8 @@ from genserve.shared.blocks.autoencoder_kl import CLASS_NAME as VAE_CLASS
 from genserve.shared.blocks.autoencoder_kl import vae_config_from_diffusers
 
 INDEX = "model_index.json"
-PIPELINE_CLASSES = ("StableDiffusionPipeline",)
+# An inpainting folder's U-Net may take 9 channels: the latents, the mask and the masked image's latents.
+PIPELINE_CLASSES = ("StableDiffusionPipeline", "StableDiffusionInpaintPipeline")
 # component -> the classes we can load for it
 COMPONENTS = {
     "unet": (UNET_CLASS,),
@@ -91,7 +92,8 @@ def load_sd_components(directory: str | Path, device: str | torch.device = "cpu"
     if tokenizer.max_length > text_encoder.config.max_positions:
         raise ValueError(f"{directory}: tokenizer model_max_length ({tokenizer.max_length}) exceeds the text "
                          f"encoder's max_position_embeddings ({text_encoder.config.max_positions})")
-    if unet.config.in_channels != vae_config.latent_channels:
+    inpainting = unet.config.in_channels == 2 * vae_config.latent_channels + 1
+    if unet.config.in_channels != vae_config.latent_channels and not inpainting:
         raise ValueError(f"{directory}: unet in_channels ({unet.config.in_channels}) differs from the vae's "
                          f"latent_channels ({vae_config.latent_channels})")
     factor = vae_config.downsample_factor
@@ -110,4 +112,4 @@ def load_sd_components(directory: str | Path, device: str | torch.device = "cpu"
         unet=unet, text_encoder=text_encoder, tokenizer=tokenizer, schedule=schedule,
         latent_channels=vae_config.latent_channels, native_size=(h * factor, w * factor), vae_scale_factor=factor,
         scaling_factor=vae_config.scaling_factor, max_pixels=MAX_AREA_FACTOR * h * factor * w * factor,
-        default_scheduler=default_sampler, guidance="diffusers")
+        default_scheduler=default_sampler, guidance="diffusers", inpainting_unet=inpainting)

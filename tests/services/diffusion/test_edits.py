@@ -115,3 +115,30 @@ def test_bad_edits_name_the_field(folders, settings: dict, message: str) -> None
         pipe.generate(["a cat"], steps=2, height=H, width=W, **settings)
     with pytest.raises(ValueError, match="^mask: inpainting needs an init_image"):
         pipe.generate(["a cat"], steps=2, height=H, width=W, mask=torch.ones(1, 1, H, W))
+
+
+@pytest.mark.parametrize("strength", [1.0, 0.75])
+def test_nine_channel_inpainting_unet_matches_diffusers(tmp_path: Path, image, strength: float) -> None:
+    """A folder whose U-Net takes 9 channels reads the mask and the masked image's latents every step."""
+    from diffusers import StableDiffusionInpaintPipeline
+
+    folder = build_tiny_sd(tmp_path / "inpaint", latent=8, inpainting=True)
+    ref = StableDiffusionInpaintPipeline.from_pretrained(folder, safety_checker=None, requires_safety_checker=False)
+    ref.set_progress_bar_config(disable=True)
+    pixels, mask = image
+    expected = ref(PROMPT, image=Image.fromarray(pixels), mask_image=Image.fromarray(mask), strength=strength,
+                   num_inference_steps=3, guidance_scale=7.5, height=H, width=W,
+                   generator=torch.Generator("cpu").manual_seed(3), output_type="np").images
+    vae = load_autoencoder_kl(folder / "vae")
+    x = torch.from_numpy(pixels).permute(2, 0, 1)[None].float() / 127.5 - 1
+    pixel_mask = torch.from_numpy(mask).float()[None, None] / 255
+    pipe = DiffusionPipeline.from_dir(folder)
+    assert pipe.model.inpainting_unet
+    with torch.no_grad():
+        init, masked = Posterior(*vae.encode(x)), Posterior(*vae.encode(x * (pixel_mask < 0.5)))
+        latents = pipe.generate([PROMPT], steps=3, seed=3, height=H, width=W, guidance_scale=7.5, init=init,
+                                strength=strength, mask=pixel_mask, masked=masked)
+        ours = ((vae.decode(latents).clamp(-1, 1) + 1) * 127.5).round().permute(0, 2, 3, 1).numpy()
+        with pytest.raises(ValueError, match="^mask: this is an inpainting model"):
+            pipe.generate([PROMPT], steps=1, height=H, width=W)
+    assert np.abs(ours - np.round(expected * 255)).max() <= 2

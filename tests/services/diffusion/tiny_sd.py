@@ -60,9 +60,16 @@ def write_clip_vocab(directory: Path, pad_token: str = EOS, n_merges: int = 300)
 
 
 def build_tiny_sd(directory: Path, *, latent: int = 16, layers_per_block: int = 1, prediction_type: str = "epsilon",
-                  seed: int = 0) -> Path:
-    """Save a random StableDiffusionPipeline into ``directory`` (native size ``8 * latent`` pixels)."""
-    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+                  seed: int = 0, inpainting: bool = False) -> Path:
+    """Save a random StableDiffusionPipeline into ``directory`` (native size ``8 * latent`` pixels); ``inpainting``:
+    a StableDiffusionInpaintPipeline whose U-Net takes 9 channels (latents, mask, masked image's latents)."""
+    from diffusers import (
+        AutoencoderKL,
+        DDIMScheduler,
+        StableDiffusionInpaintPipeline,
+        StableDiffusionPipeline,
+        UNet2DConditionModel,
+    )
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
     directory = Path(directory)
@@ -70,7 +77,7 @@ def build_tiny_sd(directory: Path, *, latent: int = 16, layers_per_block: int = 
     tokenizer = CLIPTokenizer.from_pretrained(vocab_dir)
     torch.manual_seed(seed)
     unet = UNet2DConditionModel(
-        sample_size=latent, in_channels=4, out_channels=4, block_out_channels=(32, 64, 64),
+        sample_size=latent, in_channels=9 if inpainting else 4, out_channels=4, block_out_channels=(32, 64, 64),
         layers_per_block=layers_per_block,
         down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
         up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=64,
@@ -85,9 +92,9 @@ def build_tiny_sd(directory: Path, *, latent: int = 16, layers_per_block: int = 
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
     scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
                               set_alpha_to_one=False, steps_offset=1, prediction_type=prediction_type)
-    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
-                                   scheduler=scheduler, safety_checker=None, feature_extractor=None,
-                                   requires_safety_checker=False)
+    cls = StableDiffusionInpaintPipeline if inpainting else StableDiffusionPipeline
+    pipe = cls(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
+               safety_checker=None, feature_extractor=None, requires_safety_checker=False)
     pipe.save_pretrained(directory)
     # Released checkpoints ship vocab.json + merges.txt; keep that form in the saved folder too.
     for name in ("vocab.json", "merges.txt"):
