@@ -142,3 +142,19 @@ def test_nine_channel_inpainting_unet_matches_diffusers(tmp_path: Path, image, s
         with pytest.raises(ValueError, match="^mask: this is an inpainting model"):
             pipe.generate([PROMPT], steps=1, height=H, width=W)
     assert np.abs(ours - np.round(expected * 255)).max() <= 2
+
+
+def test_demo_model_inpainting_keeps_the_unmasked_latents(tiny_pipe) -> None:
+    """On the demo model's pipeline: after the last step the latents outside the mask are the image's own."""
+    c, h, w = tiny_pipe.latent_shape
+    height, width = tiny_pipe.model.native_size
+    torch.manual_seed(0)
+    mean = torch.randn(1, c, h, w)
+    init = Posterior(mean, torch.full_like(mean, -30.0))  # σ = e^-15: the sample is the mean
+    mask = torch.zeros(1, 1, height, width)
+    mask[..., : height // 2, :] = 1.0  # repaint the top half
+    latents = tiny_pipe.generate(["a red circle"], steps=4, seed=0, init=init, strength=0.5, mask=mask)
+    keep = torch.zeros(1, 1, h, w, dtype=torch.bool)
+    keep[..., h // 2 :, :] = True
+    torch.testing.assert_close(latents[keep.expand_as(latents)], mean[keep.expand_as(mean)], rtol=0, atol=1e-4)
+    assert (latents - mean)[~keep.expand_as(latents)].abs().mean() > 0.05  # the top half was generated
