@@ -54,7 +54,8 @@ def json_grammar(schema: str) -> str:
     return ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
 
 
-def _clean(exc: Exception) -> str:
+def clean_error(exc: Exception) -> str:
+    """xgrammar's reason without the C++ timestamp and source location."""
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return _CPP_PREFIX.sub("", message)
 
@@ -130,17 +131,17 @@ class GrammarCompiler:
             try:
                 compiled = self._get().compile_grammar(json_grammar(params.json_schema))
             except (RuntimeError, ValueError, TypeError) as exc:
-                raise InvalidJsonSchema(_clean(exc)) from None
+                raise InvalidJsonSchema(clean_error(exc)) from None
         elif params.regex:
             try:
                 compiled = self._get().compile_regex(params.regex)
             except (RuntimeError, ValueError, TypeError) as exc:
-                raise InvalidRegex(_clean(exc)) from None
+                raise InvalidRegex(clean_error(exc)) from None
         elif params.grammar:
             try:
                 compiled = self._get().compile_grammar(params.grammar)
             except (RuntimeError, ValueError, TypeError) as exc:
-                raise InvalidGrammar(_clean(exc)) from None
+                raise InvalidGrammar(clean_error(exc)) from None
         else:
             return None
         return Grammar(compiled, self.stop_ids, self.vocab_size)

@@ -197,14 +197,21 @@ def call_grammar(fmt: str, tools: list[ToolSpec], choice: str, parallel: bool) -
     """The EBNF grammar of the reply ("" when it is free); raises ValueError with xgrammar's reason."""
     import xgrammar as xgr
 
-    tag = structural_tag(fmt, tools, choice, parallel)
-    if tag is None:
-        return ""
-    return str(xgr.Grammar.from_structural_tag(json.dumps(tag)))
+    from genserve.services.text.engine.grammar import clean_error
+
+    try:
+        tag = structural_tag(fmt, tools, choice, parallel)
+        return "" if tag is None else str(xgr.Grammar.from_structural_tag(json.dumps(tag)))
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise ValueError(clean_error(exc)) from None
 
 
 def check_schema(parameters: dict[str, Any]) -> None:
-    """Raises ValueError with xgrammar's reason when it cannot turn `parameters` into a grammar."""
-    from genserve.services.text.engine.grammar import json_grammar
+    """Raises ValueError with xgrammar's reason (no C++ source location) when it cannot turn `parameters` into a
+    grammar."""
+    from genserve.services.text.engine.grammar import clean_error, json_grammar
 
-    json_grammar(json.dumps(parameters))
+    try:
+        json_grammar(json.dumps(parameters))
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise ValueError(clean_error(exc)) from None

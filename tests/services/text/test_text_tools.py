@@ -298,3 +298,11 @@ def test_parsers_never_raise_on_any_text():
             parsed = parse(text, fmt, reasoning=True)
             assert all(c.name and c.complete for c in parsed.calls)
             stream(text, fmt, 3, reasoning=True)
+
+
+def test_a_schema_xgrammar_cannot_compile_says_why_without_its_source_location():
+    from genserve.services.text.tools.formats import check_schema
+
+    with pytest.raises(ValueError) as error:
+        check_schema({"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}})
+    assert str(error.value) == "Invalid range: minimum greater than maximum"
