@@ -32,7 +32,7 @@ _BLOCK = 32  # bf16 and int8 rows are read in blocks of 32 values
 class _LayerWeights(ctypes.Structure):
     _fields_ = [(n, _P) for n in ("ln1", "wq", "wk", "wv", "bq", "bk", "bv", "wo", "ln2", "wg", "wu", "wd")] + \
                [(n, _I64) for n in ("dim", "hq", "hkv", "d", "ffn", "window")] + [("eps", _F32), ("scale", _F32)] + \
-               [("types", ctypes.c_int32 * len(_MATRICES)), ("scales", _P * len(_MATRICES))]
+               [("types", ctypes.c_int32 * len(_MATRICES)), ("scales", _P * len(_MATRICES)), ("qn", _P), ("kn", _P)]
 
 
 @dataclass(frozen=True)
@@ -134,10 +134,12 @@ def available() -> bool:
 class LayerWeights:
     """One layer's weights: RMSNorm gains ln1/ln2 (dim,) and q/k/v biases (optional) in fp32, q/k/v/o projections,
     SwiGLU gate/up (ffn, dim) and down (dim, ffn), each matrix a ``Matrix`` the kernel reads (``fused_matrix_ok``);
-    ``window`` > 0 is a sliding attention window."""
+    ``window`` > 0 is a sliding attention window; ``q_norm``/``k_norm`` (head_dim,) fp32 gains of QK-norm (Qwen3),
+    applied per head before RoPE."""
 
     def __init__(self, *, ln1, wq, wk, wv, wo, ln2, wg, wu, wd, bq=None, bk=None, bv=None, n_heads: int,
-                 n_kv_heads: int, head_dim: int, eps: float, scale: float, window: int = 0):
+                 n_kv_heads: int, head_dim: int, eps: float, scale: float, window: int = 0,
+                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None):
         dim, ffn = ln1.shape[0], _out_features(wg)
         nq, nkv = n_heads * head_dim, n_kv_heads * head_dim
         shapes = dict(ln1=(dim,), wq=(nq, dim), wk=(nkv, dim), wv=(nkv, dim), wo=(dim, nq), ln2=(dim,),
@@ -150,8 +152,9 @@ class LayerWeights:
         self.dim = dim
         types = (ctypes.c_int32 * len(_MATRICES))(*(typed[name][1] for name in _MATRICES))
         scales = (_P * len(_MATRICES))(*map(_ptr, self._scales))
+        self._qk_norm = [_fp32(t, (head_dim,)) for t in (q_norm, k_norm)]
         self.struct = _LayerWeights(*(_ptr(t) for t in self._keep.values()), dim, n_heads, n_kv_heads, head_dim,
-                                    ffn, window, eps, scale, types, scales)
+                                    ffn, window, eps, scale, types, scales, *map(_ptr, self._qk_norm))
 
 
 class StepKernel:

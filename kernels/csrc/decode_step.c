@@ -23,7 +23,8 @@
 
 /* What stays fixed for a layer: weights as (out, in) row-major like nn.Linear (biases may be NULL), sizes. A
  * projection matrix is fp32 or blocks of quant.h; types[] holds the type of wq, wk, wv, wo, wg, wu, wd, and
- * scales[] their per-row scales (int8 rows; NULL otherwise). */
+ * scales[] their per-row scales (int8 rows; NULL otherwise). qn/kn: per-head RMSNorm gains (d,) applied to every
+ * query and key head before RoPE (QK-norm: Qwen3), or NULL. */
 typedef struct {
     const float *ln1;
     const void *wq, *wk, *wv;
@@ -35,6 +36,7 @@ typedef struct {
     float eps, scale;
     int32_t types[7];
     const float *scales[7];
+    const float *qn, *kn;
 } LayerWeights;
 
 enum { TQ, TK, TV, TO, TG, TU, TD };
@@ -175,10 +177,13 @@ static void layer(const LayerWeights *W, const StepInputs *S, void *k_cache, voi
         const int64_t i = p / (W->hq + W->hkv), head = p % (W->hq + W->hkv);
         const float *cos = S->cos + S->positions[i] * (d / 2), *sin = S->sin + S->positions[i] * (d / 2);
         if (head < W->hq) {
-            rotate(S->q + (i * W->hq + head) * d, cos, sin, d / 2);
+            float *qr = S->q + (i * W->hq + head) * d;
+            if (W->qn) rms_norm_rows(qr, W->qn, qr, 1, d, W->eps);
+            rotate(qr, cos, sin, d / 2);
         } else {
             const int64_t off = (head - W->hq) * d;
             float *kr = S->k + i * nkv + off;
+            if (W->kn) rms_norm_rows(kr, W->kn, kr, 1, d, W->eps);
             rotate(kr, cos, sin, d / 2);
             cache_store(k_cache, S->cache_bf16, S->slots[i] * nkv + off, kr, d);
             cache_store(v_cache, S->cache_bf16, S->slots[i] * nkv + off, S->v + i * nkv + off, d);

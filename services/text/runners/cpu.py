@@ -6,8 +6,9 @@ be int8 rows (``Int8Linear``): the fused step widens them inside its products.
 
 A decode step reads every weight once; op by op in PyTorch, the small tensor ops around the matrix-vector products
 cost about as much again as the products themselves, hence the fused step. It applies to fp32, bf16 and int8
-Llama-family models with SwiGLU FFNs and rotate-half RoPE; anything else (fp16, gated attention, the parallel block,
-MoE, interleaved RoPE, a biased LM head, or no C compiler) keeps ``forward_paged``. For fp32 models it computes what
+Llama-family models with SwiGLU FFNs and rotate-half RoPE, QK-norm (Qwen3) and longrope tables (Phi-3) included;
+anything else (fp16, gated attention, the parallel block, MoE, MLA, soft-capping, sinks, Gemma's norms, interleaved
+RoPE, a biased LM head, or no C compiler) keeps ``forward_paged``. For fp32 models it computes what
 ``forward_paged`` does; for bf16 and int8 ones it keeps fp32 activations where the torch path rounds them to bf16
 (closer to the fp32 model, not bit-equal to the torch path). The runner first moves the weights into huge pages
 (runners/huge_pages.py).
@@ -71,7 +72,9 @@ class FusedDecodeStep:
                 bq=_fp32(attn.q_proj.bias), bk=_fp32(attn.k_proj.bias), bv=_fp32(attn.v_proj.bias),
                 wg=_weight(mlp.gate_proj), wu=_weight(mlp.up_proj), wd=_weight(mlp.down_proj),
                 n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, eps=cfg.norm_eps,
-                scale=attn.sm_scale, window=layer.window))
+                scale=attn.sm_scale, window=layer.window,
+                q_norm=None if attn.q_norm is None else _fp32(attn.q_norm.weight),
+                k_norm=None if attn.k_norm is None else _fp32(attn.k_norm.weight)))
         self.kernel = cpu_decode_step.StepKernel(
             layers, embed=model.model.embed_tokens.weight.detach(), norm=_fp32(model.model.norm.weight),
             eps=model.model.norm.eps, head=_weight(model.lm_head), n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
@@ -122,8 +125,8 @@ class FusedDecodeStep:
 
 def _llama_shaped(cfg) -> bool:
     """The layer the fused kernel computes: one RMSNorm before each sublayer, plain softmax attention with one RoPE
-    table and rotate-half pairs, SwiGLU; per-layer windows and any softmax scale are fine."""
-    return not (cfg.mla or cfg.qk_norm or cfg.attn_softcap or cfg.final_softcap or cfg.attention_sinks
+    table and rotate-half pairs, SwiGLU; per-layer windows, any softmax scale and QK-norm (Qwen3) are fine."""
+    return not (cfg.mla or cfg.attn_softcap or cfg.final_softcap or cfg.attention_sinks
                 or cfg.norm_unit_offset or cfg.sandwich_norm or cfg.embed_scale or cfg.rope_local_theta
                 or cfg.hidden_act != "silu" or cfg.rope_interleaved)
 
@@ -179,6 +182,10 @@ class CpuRunner:
         forward = self.fused if fused else self.model.forward_paged
         logits = forward(batch, self.k_caches, self.v_caches)  # (S, V)
         return sample_batch(logits, rows)
+
+    def execute_logits(self, batch: PagedBatch) -> torch.Tensor:
+        # Several positions per sequence (a speculative verify chunk): the fused step and graphs take one.
+        return self.model.forward_paged(batch, self.k_caches, self.v_caches)
 
     def execute_greedy(self, batch: PagedBatch, steps: int) -> list[list[int]]:
         if self.fused is None:

@@ -254,3 +254,15 @@ def test_gguf_files_match_transformers(arch, tmp_path):
     engine = LLMEngine(model, byte_tokenizer(), EngineConfig(block_size=4))
     _, tokens, _ = engine.generate_batch([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0))[0]
     assert tokens == _hf_greedy(hf, prompt)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+def test_fused_cpu_decode_step_runs_qk_norm_and_longrope(arch, tmp_path_factory, cpu_kernels):
+    """The fused C decode step takes Qwen3 (QK-norm per head before RoPE) and Phi-3 (split projections, longrope
+    tables past the original context) and agrees with forward_paged on every decode step of a mixed batch."""
+    from test_text_hf_parity import fused_step_differences
+
+    _, _, directory = _build(arch, tmp_path_factory)
+    prompts = [list(range(40, 75)), list(range(1, 6)), list(range(100, 140))]
+    diffs = fused_step_differences(directory, prompts)
+    assert len(diffs) >= 20 and max(diffs) <= LOGITS_ATOL
