@@ -255,6 +255,13 @@ def test_gguf_files_match_transformers(arch, tmp_path):
     _, tokens, _ = engine.generate_batch([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0))[0]
     assert tokens == _hf_greedy(hf, prompt)
 
+    # Q8_0 projections kept in the file's blocks compute what the same file dequantised computes.
+    q8 = write_gguf(tmp_path / f"{arch}-q8_0.gguf", hf, "Q8_0")
+    kept = load_model(q8, keep_quantized=True)
+    assert any(type(m).__name__ == "QuantLinear" for m in kept.modules())
+    with torch.no_grad():
+        assert (kept(ids) - load_model(q8)(ids)).abs().max().item() <= LOGITS_ATOL
+
 
 @pytest.mark.parametrize("arch", ["qwen3", "phi3"])
 def test_fused_cpu_decode_step_runs_qk_norm_and_longrope(arch, tmp_path_factory, cpu_kernels):
