@@ -1,7 +1,8 @@
 """Kernels: Triton on GPUs, C (and prepared oneDNN calls) on CPUs.
 
-- Triton (GPU): flash attention (prefill), paged decode attention, fused RMSNorm, RoPE, and the matmul with GGUF
-  Q8_0/Q4_0/Q4_1 weights dequantised in registers (quant_matmul). On machines without a GPU they run under
+- Triton (GPU): flash attention (prefill; soft-capping and sinks), paged decode attention, fused RMSNorm, RoPE, the
+  matmul with GGUF Q8_0/Q4_0/Q4_1 weights dequantised in registers (quant_matmul), and the mixture-of-experts FFN as
+  two grouped GEMMs over expert-sorted rows (fused_moe). On machines without a GPU they run under
   TRITON_INTERPRET=1 (tests only; the services use torch there).
 - C (CPU, csrc/, built on first use by _cpu_library.py): `cpu_gemv` (decode-sized matrix products),
   `cpu_paged_decode` (paged decode attention), `cpu_quant` (products with GGUF Q8_0/Q4_0/Q4_1 weights, dequantised

@@ -1,7 +1,7 @@
 """The single dispatch point between the building blocks and the compute that runs them.
 
 `get_backend(name=None)` returns a backend object; the name comes from the `GENSERVE_BACKEND` environment variable
-when not given: "auto" (default), "reference", "torch" or "triton". Every backend has the same nine methods (the
+when not given: "auto" (default), "reference", "torch" or "triton". Every backend has the same ten methods (the
 contract in docs/architecture.md):
 
 - attend(q, k, v, *, causal, sm_scale=None, window=0, softcap=0.0, sinks=None): q (B, Hq, Nq, D), k/v (B, Hkv, Nk,
@@ -21,7 +21,10 @@ contract in docs/architecture.md):
   is the calling module's `PreparedWeights`, where a backend may keep the weight in the layout its compute wants;
 - group_norm(x, groups, weight=None, bias=None, eps=1e-5, *, silu=False): F.group_norm, then F.silu when `silu`;
 - spatial_transformer(x, block, context): a U-Net SpatialTransformer ``block`` (shared/blocks/unet.py) applied to x
-  in one fused call, or None where the backend has no fused form for x and the block runs its own ops.
+  in one fused call, or None where the backend has no fused form for x and the block runs its own ops;
+- experts(x, block, weights, idx): a mixture-of-experts ``block``'s (shared/blocks/moe.py) routed experts for tokens
+  x (N, dim) with routing weights and expert ids (N, k), in one fused call, or None where the block runs its own
+  grouped loop.
 
 "reference" is the math of the chapter "Deep Learning Building Blocks" written out, "torch" uses fused torch ops
 (SDPA), "triton" calls the kernels package, and "auto" picks triton for CUDA tensors when triton is importable and no
@@ -139,6 +142,9 @@ class ReferenceBackend:
 
     def spatial_transformer(self, x, block, context) -> torch.Tensor | None:
         return None  # the block runs its own ops
+
+    def experts(self, x, block, weights, idx) -> torch.Tensor | None:
+        return None  # the block's grouped loop over its experts
 
 
 class TorchBackend(ReferenceBackend):
@@ -310,6 +316,13 @@ class TritonBackend:
     def spatial_transformer(self, x, block, context) -> torch.Tensor | None:
         return None  # the block's own ops, on cuBLAS and the attention kernel
 
+    def experts(self, x, block, weights, idx) -> torch.Tensor | None:
+        if not block.fusable:
+            return None
+        from genserve.kernels.fused_moe import fused_moe
+
+        return fused_moe(x, *block.stacked(), weights, idx)
+
 
 class AutoBackend:
     """Triton for CUDA tensors when triton is importable, torch otherwise; decided per call from the first input."""
@@ -354,6 +367,9 @@ class AutoBackend:
 
     def spatial_transformer(self, x, block, context) -> torch.Tensor | None:
         return self._pick(x).spatial_transformer(x, block, context)
+
+    def experts(self, x, block, weights, idx) -> torch.Tensor | None:
+        return self._pick(x).experts(x, block, weights, idx)
 
 
 Backend = ReferenceBackend | TorchBackend | TritonBackend | AutoBackend

@@ -80,6 +80,7 @@ class MoE(nn.Module):
             return SwiGLU(dim, hidden, bias=expert_bias, backend=backend, activation=activation, alpha=alpha,
                           limit=limit)
 
+        self.backend = backend
         self.experts = nn.ModuleList(expert(hidden_dim) for _ in range(n_experts))
         self.shared_experts = nn.ModuleList(expert(shared_hidden_dim or hidden_dim) for _ in range(n_shared_experts))
         self.aux_loss = torch.zeros(())
@@ -110,10 +111,37 @@ class MoE(nn.Module):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return scores, weights * self.routed_scaling, idx
 
+    @property
+    def fusable(self) -> bool:
+        """Experts a fused kernel computes: SiLU-gated, without biases, with dense weights."""
+        first = self.experts[0]
+        return (first.activation == "silu" and first.gate_proj.bias is None
+                and isinstance(first.gate_proj.weight, torch.Tensor) and first.gate_proj.weight.dim() == 2)
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[W_gate; W_up] (E, 2I, dim) and W_down (E, dim, I), stacked on first use; the experts' weights become views
+        into them (module docstring)."""
+        first = self.experts[0].gate_proj.weight
+        if getattr(self, "_stacked_key", None) != first.data_ptr():
+            gate_up = torch.stack([torch.cat((e.gate_proj.weight.data, e.up_proj.weight.data)) for e in self.experts])
+            down = torch.stack([e.down_proj.weight.data for e in self.experts])
+            inter = gate_up.shape[1] // 2
+            for i, e in enumerate(self.experts):
+                e.gate_proj.weight.data, e.up_proj.weight.data = gate_up[i, :inter], gate_up[i, inter:]
+                e.down_proj.weight.data = down[i]
+            self._stacked = gate_up, down
+            self._stacked_key = self.experts[0].gate_proj.weight.data_ptr()
+        return self._stacked
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, dim)
         probs, weights, idx = self.route(x)
+        fused = self.backend.experts(x, self, weights, idx) if self.backend is not None else None
+        if fused is not None:
+            for expert in self.shared_experts:
+                fused = fused + expert(x)
+            return fused.reshape(shape)
         flat = idx.reshape(-1)  # (N k,): slot j of token t is entry t k + j
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.n_experts).tolist()

@@ -27,6 +27,7 @@ from triton.compiler import ASTSource  # noqa: E402
 fa = importlib.import_module("genserve.kernels.flash_attention")
 pa = importlib.import_module("genserve.kernels.paged_attention")
 qm = importlib.import_module("genserve.kernels.quant_matmul")
+fm = importlib.import_module("genserve.kernels.fused_moe")
 rn = importlib.import_module("genserve.kernels.rms_norm")
 rp = importlib.import_module("genserve.kernels.rope")
 
@@ -173,9 +174,18 @@ def _quant_variants():
             yield f"quant_matmul[{name},M{block_m}]", qm._quant_matmul_kernel, pointers, meta, 4, 3
 
 
+def _moe_variants():
+    pointers = {"X": "*bf16", "A": "*bf16", "W": "*bf16", "Out": "*bf16", "rows_ptr": "*i64", "experts_ptr": "*i64",
+                "weights_ptr": "*fp32"}
+    meta = {"UPCAST": False, "DOT_PRECISION": "tf32", "BLOCK_M": fm.BLOCK_M, "BLOCK_N": fm.BLOCK_N,
+            "BLOCK_K": fm.BLOCK_K}
+    yield "fused_moe[gate_up]", fm._gate_up_kernel, pointers, meta, 4, 2
+    yield "fused_moe[down]", fm._down_kernel, pointers, meta, 4, 2
+
+
 def main() -> int:
     for label, kernel, pointers, meta, num_warps, num_stages in (
-        *_flash_variants(), *_paged_variants(), *_elementwise_variants(), *_quant_variants()
+        *_flash_variants(), *_paged_variants(), *_elementwise_variants(), *_quant_variants(), *_moe_variants()
     ):
         try:
             print(json.dumps(_compile(label, kernel, pointers, meta, num_warps, num_stages)), flush=True)

@@ -180,24 +180,28 @@ def test_greedy_generation_matches_transformers_alone_and_in_a_batch(checkpoint,
 
 
 # The attention variants the kernels gained: soft-capping (Gemma 2), QK-norm and two RoPE bases (Gemma 3), sinks
-# (gpt-oss), MLA's latent entries (DeepSeek-V3); the other families run the kernels as Llama does.
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "gpt_oss", "deepseek_v3"])
+# (gpt-oss), MLA's latent entries (DeepSeek-V3); the fused-MoE grouped GEMMs (Qwen3-MoE, DeepSeek-V3; gpt-oss's
+# biased, clamped experts keep the grouped loop); the other families run the kernels as Llama does.
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "gpt_oss", "deepseek_v3", "qwen3_moe"])
 def test_triton_kernels_give_the_same_greedy_tokens(arch, tmp_path_factory, monkeypatch):
     """GENSERVE_BACKEND=triton under the interpreter: soft-capping and sinks run inside the flash and paged kernels,
-    MLA's absorbed attention through the same kernels as MQA over its latent entries."""
+    MLA's absorbed attention through the same kernels as MQA over its latent entries, the experts in the fused-MoE
+    kernels."""
     from genserve import kernels
+    from genserve.kernels import fused_moe
     from genserve.shared.blocks.backend import get_backend
 
     _, hf, directory = _build(arch, tmp_path_factory)
-    calls = {"flash_attention": 0, "paged_decode_attention": 0}
+    calls = {"flash_attention": 0, "paged_decode_attention": 0, "fused_moe": 0}
     for name in calls:
-        original = getattr(kernels, name)
+        module = fused_moe if name == "fused_moe" else kernels
+        original = getattr(module, name)
 
         def counted(*args, _original=original, _name=name, **kwargs):
             calls[_name] += 1
             return _original(*args, **kwargs)
 
-        monkeypatch.setattr(kernels, name, counted)
+        monkeypatch.setattr(module, name, counted)
     prompt = torch.randint(0, VOCAB, (13,), generator=torch.Generator().manual_seed(3)).tolist()
     new = 6
     expected = hf.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False)
@@ -205,8 +209,10 @@ def test_triton_kernels_give_the_same_greedy_tokens(arch, tmp_path_factory, monk
                        EngineConfig(block_size=4))
     _, tokens, _ = engine.generate_batch([prompt], SamplingParams(max_tokens=new, temperature=0))[0]
     assert tokens == expected[0, len(prompt):].tolist()
-    n_layers = engine.model.config.n_layers
-    assert calls["flash_attention"] >= n_layers and calls["paged_decode_attention"] >= n_layers * (new - 1)
+    cfg = engine.model.config
+    assert calls["flash_attention"] >= cfg.n_layers and calls["paged_decode_attention"] >= cfg.n_layers * (new - 1)
+    sparse = sum(cfg.layer_is_moe(i) for i in range(cfg.n_layers)) if arch != "gpt_oss" else 0
+    assert calls["fused_moe"] == sparse * new  # every sparse layer of every forward pass: 1 prefill + new - 1 decodes
 
 
 def test_an_architecture_not_served_is_refused_by_name_with_the_list():
