@@ -21,9 +21,10 @@ from genserve.services.text.engine.grammar import Grammar, GrammarCompiler
 from genserve.services.text.engine.kv_cache import BlockManager, block_bytes
 from genserve.services.text.engine.params import Delta, EngineOverloaded, PromptTooLong, SamplingParams, TokenLogprob
 from genserve.services.text.engine.runner import ModelRunner
-from genserve.services.text.engine.sampler import make_generator
+from genserve.services.text.engine.sampler import make_generator, sample_batch
 from genserve.services.text.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from genserve.services.text.engine.sequence import Sequence
+from genserve.services.text.engine.speculative import SpeculativeConfig, Verdict, propose_ngram, verify
 from genserve.shared.blocks.paged import PagedBatch
 
 
@@ -46,6 +47,8 @@ class EngineConfig:
     cuda_graphs: bool = True
     # Automatic prefix caching (kv_cache.py): full blocks are shared across requests by the hash of their prefix.
     prefix_caching: bool = True
+    # Exact speculative decoding with n-gram drafts (engine/speculative.py); None: off.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_batched_tokens", "max_running", "max_waiting", "max_lookahead"):
@@ -99,6 +102,9 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self.lock = threading.Lock()
+        k = config.speculative.num_tokens if config.speculative is not None else 0
+        self.spec_proposed = [0] * k  # drafts scored at each draft position since start-up
+        self.spec_accepted = [0] * k  # ... and accepted
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -174,7 +180,16 @@ class LLMEngine:
             "max_lookahead": self.runner.max_steps(1),
             "prefix_caching": self.blocks.caching,
             "prefix_cache_hit_tokens": self.scheduler.hit_tokens,
+            "speculative": self.config.speculative.method if self.config.speculative is not None else "off",
         }
+
+    def speculation_stats(self) -> dict:
+        """Drafted tokens scored and accepted since start-up, in total and per draft position, and the acceptance
+        rate (accepted / proposed; 0 before any draft)."""
+        proposed, accepted = sum(self.spec_proposed), sum(self.spec_accepted)
+        return {"proposed": proposed, "accepted": accepted,
+                "acceptance_rate": accepted / proposed if proposed else 0.0,
+                "proposed_by_position": list(self.spec_proposed), "accepted_by_position": list(self.spec_accepted)}
 
     def counters(self) -> EngineCounters:
         """The engine's running totals since start-up."""
@@ -191,12 +206,17 @@ class LLMEngine:
             for seq in overflowed:
                 self._finish(seq, "context_length")
             if chunks:
-                steps = self._lookahead(chunks)
+                if self.config.speculative is not None:
+                    chunks = self._propose(chunks)
+                speculating = any(c.draft for c in chunks)
+                steps = 1 if speculating else self._lookahead(chunks)
                 batch, chunks = build_batch(chunks, self.blocks)
         for seq in overflowed:
             seq.on_delta(Delta(seq.stopper.take(final=True), (), "context_length"))
         if not chunks:
             return 0
+        if speculating:
+            return self._verify_step(batch, chunks)
         if steps > 1:
             return self._greedy_steps(batch, chunks, steps)
         # Each sampled row's request carries its own options and seeded generator (Sequence is a SampleRow).
@@ -211,6 +231,86 @@ class LLMEngine:
                 self.blocks.register(c.seq.request_id, c.seq.prompt_ids, c.seq.output_ids, c.seq.num_computed)
                 if c.sample:
                     deltas.append((c.seq, self._advance(c.seq, token, logprob)))
+        for seq, delta in deltas:
+            seq.on_delta(delta)
+        return int(batch.input_ids.numel())
+
+    def _propose(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        """Give each sampled one-token chunk an n-gram draft (Saxena 2023) of up to ``num_tokens`` tokens, with the
+        blocks for its slots reserved now. None when more than ``max_batch`` sequences decode this step; none for a
+        grammar-constrained request (module docstring of engine/speculative.py); a draft never reaches past
+        ``max_tokens`` or the context, nor the step's token budget, and is dropped when the free blocks run short."""
+        spec = self.config.speculative
+        assert spec is not None
+        if sum(1 for c in chunks if c.sample and c.length == 1) > spec.max_batch:
+            return chunks
+        budget = self.config.max_batched_tokens - sum(c.length for c in chunks)
+        out = []
+        for c in chunks:
+            seq = c.seq
+            k = min(spec.num_tokens, budget, seq.params.max_tokens - len(seq.output_ids) - 1,
+                    self.max_context - seq.num_tokens - 1)
+            if c.length != 1 or not c.sample or seq.grammar is not None or k <= 0:
+                out.append(c)
+                continue
+            draft = propose_ngram(seq.tokens, k, spec.ngram_min, spec.ngram_max)
+            if not draft or not self.blocks.can_grow(seq.request_id, seq.num_tokens + len(draft)):
+                out.append(c)
+                continue
+            self.blocks.grow(seq.request_id, seq.num_tokens + len(draft))
+            budget -= len(draft)
+            out.append(ScheduledChunk(seq, c.start, 1, tuple(draft)))
+        return out
+
+    def _verify_step(self, batch: PagedBatch, chunks: list[ScheduledChunk]) -> int:
+        """One step with speculative drafts: score every sampled position through the runner's plain forward pass
+        (``forward_paged``: a draft chunk is a prefill chunk of k + 1 tokens), sample the chunks without a draft as
+        ``sample_batch`` does, verify each draft (Leviathan et al. 2023; Chen et al. 2023), then, per sequence: keep
+        the K/V of its accepted tokens, give the blocks past them back, and emit the accepted drafts and the
+        corrected or bonus token one by one, up to the one that finishes it (EOS, a stop string, ``max_tokens``)."""
+        logits = self.runner.execute_logits(batch)  # (S, V): one row per sampled position
+        row = 0
+        spans: list[tuple[int, int]] = []
+        for c in chunks:
+            n = 1 + len(c.draft) if c.sample else 0
+            spans.append((row, n))
+            row += n
+        plain = [i for i, c in enumerate(chunks) if c.sample and not c.draft]
+        sampled = {}
+        if plain:
+            index = torch.tensor([spans[i][0] for i in plain], device=logits.device)
+            sampled = dict(zip(plain, sample_batch(logits[index], [chunks[i].seq for i in plain]), strict=True))
+        verdicts: dict[int, Verdict] = {}
+        for i, c in enumerate(chunks):
+            if c.draft and not c.seq.finished:
+                start, n = spans[i]
+                verdicts[i] = verify(logits[start:start + n], c.seq, list(c.draft))
+        deltas: list[tuple[Sequence, Delta]] = []
+        with self.lock:
+            for i, c in enumerate(chunks):
+                seq = c.seq
+                if seq.finished:  # aborted while the model ran
+                    continue
+                if not c.draft:
+                    seq.num_computed = c.start + c.length
+                    self.blocks.register(seq.request_id, seq.prompt_ids, seq.output_ids, seq.num_computed)
+                    if c.sample:
+                        deltas.append((seq, self._advance(seq, *sampled[i])))
+                    continue
+                verdict = verdicts[i]
+                for j in range(len(c.draft)):
+                    self.spec_proposed[j] += 1
+                    self.spec_accepted[j] += j < verdict.accepted
+                # K/V stays valid for the newest token and the accepted drafts; the rejected slots' blocks go back.
+                seq.num_computed = c.start + 1 + verdict.accepted
+                self.blocks.truncate(seq.request_id, seq.num_computed)
+                for j, token in enumerate(verdict.tokens):
+                    logprob = verdict.logprobs[j] if verdict.logprobs is not None else None
+                    deltas.append((seq, self._advance(seq, token, logprob)))
+                    if seq.finished:
+                        break
+                if not seq.finished:
+                    self.blocks.register(seq.request_id, seq.prompt_ids, seq.output_ids, seq.num_computed)
         for seq, delta in deltas:
             seq.on_delta(delta)
         return int(batch.input_ids.numel())

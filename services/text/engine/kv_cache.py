@@ -147,6 +147,27 @@ class BlockManager:
         bs = self.block_size
         return [table[t // bs] * bs + t % bs for t in range(start, end)]
 
+    def truncate(self, seq_id: str, n_tokens: int) -> int:
+        """Shrink ``seq_id``'s table to the blocks that ``n_tokens`` tokens fill (the rollback of rejected
+        speculative slots); the number released. Only blocks past every registered (cached) one may go."""
+        table = self.tables[seq_id]
+        keep = -(-n_tokens // self.block_size)
+        if keep < self._registered.get(seq_id, 0):
+            raise ValueError(f"cannot truncate {seq_id!r} below its cached blocks")
+        released = table[keep:]
+        del table[keep:]
+        self._release(released)
+        return len(released)
+
+    def _release(self, blocks: list[int]) -> None:
+        for block in reversed(blocks):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._block_hash:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
+
     def free(self, seq_id: str) -> int:
         """Release every block of ``seq_id``; the number released. A block nobody else references goes to the free
         list, or, when cached, to the most recently used end of the eviction list; the table is released back to
@@ -154,11 +175,5 @@ class BlockManager:
         table = self.tables.pop(seq_id, [])
         self._hashes.pop(seq_id, None)
         self._registered.pop(seq_id, None)
-        for block in reversed(table):
-            self._refs[block] -= 1
-            if self._refs[block] == 0:
-                if block in self._block_hash:
-                    self._evictable[block] = None
-                else:
-                    self._free.append(block)
+        self._release(table)
         return len(table)

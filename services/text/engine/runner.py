@@ -49,6 +49,11 @@ class ModelRunner(Protocol):
         ``rows[i]`` is the request behind logits row i."""
         ...
 
+    def execute_logits(self, batch: PagedBatch) -> torch.Tensor:
+        """Run ``batch`` (writing its K/V into the cache) through the model's plain forward pass and return the
+        next-token logits (S, V) of ``batch.logits_index``, on the runner's device (the speculative verify pass)."""
+        ...
+
     def execute_greedy(self, batch: PagedBatch, steps: int) -> list[list[int]]:
         """``steps`` greedy tokens for every token of a decode-only batch whose block tables already cover them."""
         ...

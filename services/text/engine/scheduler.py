@@ -22,11 +22,14 @@ from genserve.services.text.engine.sequence import Sequence
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """Compute tokens ``start..start+length-1`` of ``seq``; ``sample`` when the chunk reaches its last token."""
+    """Compute tokens ``start..start+length-1`` of ``seq``; ``sample`` when the chunk reaches its last token.
+    ``draft``: speculative tokens (engine/speculative.py) that follow the chunk's last token; they are computed
+    too, at positions ``start+length..``, and every position from the last token on gets its logits."""
 
     seq: Sequence
     start: int
     length: int
+    draft: tuple[int, ...] = ()
 
     @property
     def sample(self) -> bool:

@@ -174,5 +174,9 @@ class CudaRunner:
             logits = self.model.forward_paged(batch, self.k_caches, self.v_caches)
         return sample_batch(logits, rows)
 
+    def execute_logits(self, batch: PagedBatch) -> torch.Tensor:
+        # Several positions per sequence (a speculative verify chunk): the fused step and graphs take one.
+        return self.model.forward_paged(batch, self.k_caches, self.v_caches)
+
     def execute_greedy(self, batch: PagedBatch, steps: int) -> list[list[int]]:
         raise RuntimeError("the CUDA runner takes one step per call: max_steps() is 1")

@@ -1,0 +1,224 @@
+"""Exact speculative decoding (engine/speculative.py): the n-gram proposer, the acceptance rule's distribution
+(chi-square over >= 20,000 draws; Leviathan et al. 2023, Chen et al. 2023), and greedy output token-identical to
+decoding without speculation through the engine, alone, in mixed batches, under preemption and on the fused path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from text_helpers import VOCAB, byte_tokenizer, hf_model, save_hf
+
+from genserve.services.text.engine.engine import EngineConfig, LLMEngine
+from genserve.services.text.engine.params import SamplingParams
+from genserve.services.text.engine.sampler import apply_penalties, filter_logits_batch
+from genserve.services.text.engine.speculative import (
+    SpeculativeConfig,
+    accept_point_mass,
+    propose_ngram,
+    sample_from,
+    target_logits,
+)
+from genserve.services.text.loader import load_model
+
+DRAWS = 20_000
+SPEC = SpeculativeConfig(num_tokens=4, ngram_min=1, ngram_max=3)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    torch.manual_seed(0)
+    return load_model(save_hf(hf_model("llama"), tmp_path_factory.mktemp("llama"), sharded=False))
+
+
+def engine_for(model, spec: SpeculativeConfig | None, **config) -> LLMEngine:
+    return LLMEngine(model, byte_tokenizer(), EngineConfig(**{"block_size": 4, "num_blocks": 256,
+                                                              "speculative": spec, **config}))
+
+
+def repetitive_prompts() -> list[list[int]]:
+    """Prompts whose continuations the n-gram proposer can find in them (and one it mostly cannot)."""
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randint(0, VOCAB, (12,), generator=gen).tolist()
+    return [base * 3, base[:5] * 4 + [7], torch.randint(0, VOCAB, (9,), generator=gen).tolist(), base[3:] * 2]
+
+
+# ---- the proposer ---------------------------------------------------------------------------------------------
+def test_ngram_proposer_takes_the_latest_longest_match_on_token_boundaries():
+    assert propose_ngram([1, 2, 3, 4, 1, 2, 3, 9, 1, 2, 3], 2, 1, 3) == [9, 1]  # latest match of [1, 2, 3]
+    assert propose_ngram([5, 6, 7, 8, 6, 7], 5, 1, 3) == [8, 6, 7]  # [6, 7] matched; fewer than k follow
+    assert propose_ngram([1, 2, 3, 4], 3, 1, 3) == []
+    assert propose_ngram([7, 7], 3, 1, 3) == [7]
+    # 256 = bytes (0, 1, 0, 0) and 1 = (1, 0, 0, 0): byte-level matches that straddle tokens must not count.
+    assert propose_ngram([256, 0, 5, 1, 0], 2, 2, 2) == []
+    assert propose_ngram([1, 0, 5, 1, 0], 2, 2, 2) == [5, 1]
+    assert propose_ngram([1, 2, 3, 1, 2, 3], 2, 2, 2) == [1, 2]
+
+
+# ---- the acceptance rule's distribution -----------------------------------------------------------------------
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's chi-square p-value of ``counts`` against ``probs`` over the bins with mass (the upper regularised
+    incomplete gamma function of the statistic); a count in a zero-mass bin gives 0."""
+    if bool((counts[probs == 0] > 0).any()):
+        return 0.0
+    n = counts.sum()
+    keep = probs > 0
+    expected = probs[keep] * n
+    assert bool((expected >= 5).all()), "too few draws for the chi-square approximation"
+    stat = ((counts[keep] - expected) ** 2 / expected).sum()
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+def target_probs(setting: SamplingParams, vocab: int = 12) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(vocab)
+    logits = 1.5 * torch.randn((1, vocab), generator=gen)
+    return filter_logits_batch(logits, [setting]).softmax(-1, dtype=torch.float64)[0]
+
+
+def emitted_counts(probs: torch.Tensor, drafts: torch.Tensor, rule, seed: int) -> torch.Tensor:
+    """The first emitted token of ``DRAWS`` verify passes of one draft each (all rows with target ``probs``)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = probs.expand(DRAWS, -1)
+    _, tokens = rule(rows, drafts, torch.rand(DRAWS, generator=gen, dtype=torch.float64),
+                     torch.rand(DRAWS, generator=gen, dtype=torch.float64))
+    return torch.bincount(tokens, minlength=probs.numel()).double()
+
+
+def resample_from_p(probs, drafts, u_accept, u_residual):
+    """A plausible-looking wrong rule: on rejection draw again from p instead of norm(max(0, p - q))."""
+    accepted = u_accept < probs.gather(1, drafts[:, None])[:, 0]
+    return accepted, torch.where(accepted, drafts, sample_from(probs, u_residual))
+
+
+SETTINGS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.8),
+            SamplingParams(temperature=1.3, top_k=5, min_p=0.05)]
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=["plain", "top_p", "top_k_min_p"])
+def test_accepted_and_corrected_tokens_follow_the_target_distribution(setting):
+    probs = target_probs(setting)
+    gen = torch.Generator().manual_seed(7)
+    # Drafts from a proposer that knows nothing of p: uniform over the vocabulary, zero-mass tokens included; and
+    # always the target's most likely token, where acceptance is most frequent.
+    drafts = {"uniform": torch.randint(0, probs.numel(), (DRAWS,), generator=gen),
+              "argmax": torch.full((DRAWS,), int(probs.argmax()))}
+    for i, d in enumerate(drafts.values()):
+        assert chi_square_p(emitted_counts(probs, d, accept_point_mass, seed=i), probs) > 1e-3
+    wrong = emitted_counts(probs, drafts["argmax"], resample_from_p, seed=0)
+    assert chi_square_p(wrong, probs) < 1e-3
+
+
+def test_penalties_at_each_draft_position_count_the_drafts_before_it():
+    gen = torch.Generator().manual_seed(3)
+    raw = torch.randn((3, 16), generator=gen)
+    params = SamplingParams(temperature=0.8, repetition_penalty=1.4, frequency_penalty=0.5, presence_penalty=0.3)
+
+    class Row:
+        prompt_ids, output_ids, grammar = [1, 2], [3], None
+
+    Row.params = params
+    got = target_logits(raw, Row, [4, 4])
+    for j, seen in enumerate(([3], [3, 4], [3, 4, 4])):
+        assert torch.equal(got[j], apply_penalties(raw[j], params, [1, 2], seen))
+
+
+# ---- through the engine ---------------------------------------------------------------------------------------
+def test_greedy_with_speculation_is_token_identical_alone_and_in_mixed_batches(model):
+    ps = repetitive_prompts()
+    greedy = SamplingParams(max_tokens=40, temperature=0)
+    for prompt in ps[:2]:  # alone
+        engine = engine_for(model, SPEC)
+        assert engine.generate_batch([prompt], greedy) == engine_for(model, None).generate_batch([prompt], greedy)
+        assert engine.speculation_stats()["accepted"] > 0
+    mixed = [greedy, SamplingParams(max_tokens=30, temperature=0, repetition_penalty=1.2, logprobs=2),
+             SamplingParams(max_tokens=25, temperature=0.9, seed=5), SamplingParams(max_tokens=7, temperature=0)]
+    engine = engine_for(model, SPEC)
+    got = engine.generate_batch(ps, mixed)
+    ref = engine_for(model, None).generate_batch(ps, mixed)
+    assert [got[i] for i in (0, 1, 3)] == [ref[i] for i in (0, 1, 3)]
+    assert len(got[2][1]) == 25 and got[2][2] == "length"
+    stats = engine.speculation_stats()
+    assert 0 < stats["accepted"] < stats["proposed"] == sum(stats["proposed_by_position"])
+    assert engine.kv_blocks_free == engine.blocks.num_blocks
+
+
+def test_speculation_keeps_logprobs_stop_strings_eos_and_preemption(model):
+    prompt = repetitive_prompts()[0]
+    ref = engine_for(model, None).generate_batch([prompt], SamplingParams(max_tokens=40, temperature=0,
+                                                                         logprobs=3))[0]
+    engine = engine_for(model, SPEC)
+    deltas = []
+    engine.add_request("lp", prompt, SamplingParams(max_tokens=40, temperature=0, logprobs=3), deltas.append)
+    while engine.has_work():
+        engine.step()
+    lps = [lp for d in deltas for lp in d.logprobs]
+    assert [lp.token_id for lp in lps] == ref[1]
+    want = engine_for(model, None)
+    want_deltas = []
+    want.add_request("lp", prompt, SamplingParams(max_tokens=40, temperature=0, logprobs=3), want_deltas.append)
+    while want.has_work():
+        want.step()
+    for a, b in zip(lps, [lp for d in want_deltas for lp in d.logprobs], strict=True):
+        assert abs(a.logprob - b.logprob) < 1e-4 and [t for t, _ in a.top] == [t for t, _ in b.top]
+    # A stop string and EOS that land inside an accepted run cut it there.
+    text, ids, _ = ref
+    stop = text[20:23]
+    params = SamplingParams(max_tokens=40, temperature=0, stop=(stop,))
+    assert engine_for(model, SPEC).generate_batch([prompt], params) == \
+        engine_for(model, None).generate_batch([prompt], params)
+    spec_eos, plain_eos = engine_for(model, SPEC), engine_for(model, None)
+    spec_eos.eos_ids = plain_eos.eos_ids = frozenset({ids[9]})
+    cut = spec_eos.generate_batch([prompt], SamplingParams(max_tokens=40, temperature=0))[0]
+    assert cut == plain_eos.generate_batch([prompt], SamplingParams(max_tokens=40, temperature=0))[0]
+    assert cut[2] == "eos" and cut[1] == ids[: ids.index(ids[9]) + 1]
+    # 24 blocks of 4 tokens cannot hold four sequences of ~75 tokens: preemption, then recompute.
+    ps, greedy = repetitive_prompts(), SamplingParams(max_tokens=40, temperature=0)
+    tight = engine_for(model, SPEC, num_blocks=24, max_batched_tokens=24)
+    assert tight.generate_batch(ps, greedy) == engine_for(model, None).generate_batch(ps, greedy)
+    assert tight.counters().preemptions > 0 and tight.kv_blocks_free == 24
+
+
+def test_fused_decode_path_still_runs_around_speculation(cpu_kernels, model):
+    """Steps without a draft keep the fused C step and its lookahead; draft steps go through forward_paged."""
+    ps = repetitive_prompts()
+    engine = engine_for(model, SPEC)
+    assert engine.runner.fused is not None
+    calls: list[int] = []
+    greedy = engine.runner.fused.greedy
+    engine.runner.fused.greedy = lambda batch, steps, k, v: calls.append(steps) or greedy(batch, steps, k, v)
+    params = SamplingParams(max_tokens=40, temperature=0)
+    assert engine.generate_batch([ps[2]], params) == engine_for(model, None).generate_batch([ps[2]], params)
+    assert calls and engine.speculation_stats()["proposed"] > 0
+
+
+def test_sampled_speculation_through_the_engine_follows_the_model(tmp_path):
+    """Every token sampled with speculation, drafted or not, is a draw from the model's distribution given the
+    tokens before it (penalties, temperature and top-p applied): its randomised probability integral transform
+    F(x-) + w·p(x), w ~ U(0, 1), is uniform exactly when it is, which pools all positions and histories into one
+    chi-square test over 10 equal bins."""
+    vocab = 16
+    torch.manual_seed(1)
+    small = load_model(save_hf(hf_model("llama", vocab_size=vocab), tmp_path, sharded=False))
+    prompt = list(range(vocab)) * 2  # every token occurs: a one-token n-gram always matches
+    params = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.3)
+    n = 64
+    engine = LLMEngine(small, byte_tokenizer(), EngineConfig(
+        block_size=16, num_blocks=n * 6, max_running=n, speculative=SpeculativeConfig(
+            num_tokens=3, ngram_min=1, ngram_max=2, max_batch=n)))
+    out = [ids for _, ids, _ in engine.generate_batch([prompt] * n, params)]
+    stats = engine.speculation_stats()
+    assert stats["proposed_by_position"][2] > 100 and 0 < stats["accepted"] < stats["proposed"]
+    gen = torch.Generator().manual_seed(0)
+    pit = []
+    with torch.no_grad():
+        logits = small(torch.tensor([prompt + o for o in out]))[:, len(prompt) - 1:-1]  # (n, 40, V)
+    for o, rows in zip(out, logits, strict=True):
+        x = torch.stack([apply_penalties(rows[j], params, prompt, o[:j]) for j in range(len(o))])
+        probs = filter_logits_batch(x, [params] * len(o)).softmax(-1, dtype=torch.float64)  # (40, V)
+        ids = torch.tensor(o)[:, None]
+        below = (probs.cumsum(-1) - probs).gather(1, ids)[:, 0]
+        mass = probs.gather(1, ids)[:, 0]
+        assert bool((mass > 0).all())  # no token outside top-p is ever emitted
+        pit.append(below + torch.rand(len(o), generator=gen, dtype=torch.float64) * mass)
+    counts = torch.histc(torch.cat(pit), bins=10, min=0, max=1).double()
+    assert chi_square_p(counts, torch.full((10,), 0.1, dtype=torch.float64)) > 1e-3
