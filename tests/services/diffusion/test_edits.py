@@ -158,3 +158,55 @@ def test_demo_model_inpainting_keeps_the_unmasked_latents(tiny_pipe) -> None:
     keep[..., h // 2 :, :] = True
     torch.testing.assert_close(latents[keep.expand_as(latents)], mean[keep.expand_as(mean)], rtol=0, atol=1e-4)
     assert (latents - mean)[~keep.expand_as(latents)].abs().mean() > 0.05  # the top half was generated
+
+
+def test_the_diffusion_app_edits_through_the_vae_app(folders, image) -> None:
+    """The gRPC handler in-process (its vae handle replaced by our VAE): an init_image request encodes the image
+    through the vae app's Encode and returns diffusers' image-to-image result for the seed, at the image's size."""
+    import asyncio
+    import io
+
+    from diffusers import StableDiffusionImg2ImgPipeline
+
+    from genserve.services.common.images import images_response, tensor_from_message, tensor_message
+    from genserve.services.diffusion.app import Diffusion
+    from genserve.v1 import diffusion_pb2, vae_pb2
+
+    vae = load_autoencoder_kl(folders["sd"] / "vae")
+
+    def encode(request: vae_pb2.EncodeRequest) -> vae_pb2.EncodeResponse:
+        pixels = np.asarray(Image.open(io.BytesIO(request.images[0].png)).convert("RGB"), dtype=np.float32)
+        with torch.no_grad():
+            mean, logvar = vae.encode(torch.from_numpy(pixels).permute(2, 0, 1)[None] / 127.5 - 1)
+        return vae_pb2.EncodeResponse(mean=tensor_message(mean), logvar=tensor_message(logvar))
+
+    def decode(request: vae_pb2.DecodeRequest):
+        with torch.no_grad():
+            return images_response(vae.decode(tensor_from_message(request.latents, "latents")), 0)
+
+    class Call:
+        def __init__(self, fn) -> None:
+            self.fn = fn
+
+        async def remote(self, request):
+            return self.fn(request)
+
+    class VaeHandle:
+        Encode, Decode = Call(encode), Call(decode)
+
+    app = Diffusion.func_or_class(str(folders["sd"]), None)
+    app._vae = VaeHandle()
+    pixels, _ = image
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    request = diffusion_pb2.DiffusionRequest(prompt=PROMPT, init_image=buffer.getvalue(), strength=0.6, steps=4,
+                                             guidance_scale=7.5, seed=5)
+    reply = asyncio.run(app.Generate(request))
+    assert [(i.width, i.height) for i in reply.images] == [(W, H)]
+    ref = StableDiffusionImg2ImgPipeline.from_pretrained(folders["sd"], safety_checker=None,
+                                                         requires_safety_checker=False)
+    ref.set_progress_bar_config(disable=True)
+    expected = ref(PROMPT, image=Image.fromarray(pixels), strength=0.6, num_inference_steps=4, guidance_scale=7.5,
+                   generator=torch.Generator("cpu").manual_seed(5), output_type="np").images
+    ours = np.asarray(Image.open(io.BytesIO(reply.images[0].png)).convert("RGB"), dtype=np.int16)
+    assert np.abs(ours - np.round(expected[0] * 255)).max() <= 2
