@@ -23,7 +23,8 @@ EXAMPLES = int(os.environ.get("GENSERVE_FUZZ_EXAMPLES", "6"))
 # At least this many requests in all (make fuzz-http sets it to 500).
 MIN_REQUESTS = int(os.environ.get("GENSERVE_FUZZ_MIN_REQUESTS", str(6 * EXAMPLES)))
 # body field -> (low, high, most): a value the API would take (low..high) is lowered to `most`.
-CAPS = {"max_tokens": (1, 1024, 4), "max_completion_tokens": (1, 1024, 4), "n": (1, 8, 2), "steps": (1, 200, 2)}
+CAPS = {"max_tokens": (1, 1024, 4), "max_completion_tokens": (1, 1024, 4), "max_output_tokens": (1, 1024, 4),
+        "n": (1, 8, 2), "steps": (1, 200, 2)}
 
 
 def cap(body: Any) -> None:
@@ -63,7 +64,9 @@ def test_no_generated_request_gets_a_server_error(stack) -> None:
             statuses[f"{operation.label} {mode.value}"] = fuzz(operation, mode, base_url)
     sent = [s for codes in statuses.values() for s in codes]
     assert {label.split(" ")[1] for label in statuses} == {
-        "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/images/generations"}
+        "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/images/generations", "/v1/images/edits",
+        "/v1/responses",
+        "/v1/responses/{response_id}"}
     assert len(sent) >= MIN_REQUESTS, {k: len(v) for k, v in statuses.items()}
     assert all(code < 500 for code in sent)
     # Positive requests mostly reach the models: not everything may come back as 4xx.
