@@ -167,3 +167,17 @@ def test_responses_tools_format_and_stream(api):
     (done,) = [item for item in events[-1].response.output if item.type == "function_call"]
     assert arguments == done.arguments
     jsonschema.validate(json.loads(arguments), SCHEMAS[done.name])
+
+
+def test_cli_chat_with_tools_prints_the_calls(smollm2_stack, tmp_path, capsys):
+    from genserve.services.client.cli import main
+
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+    assert main(["chat", "What is the weather in Paris?", "--tools", str(tools), "--tool-choice", "get_weather",
+                 "--address", smollm2_stack.address, "--timeout", "120"]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("call ")]
+    name, rest = line.removeprefix("call ").split("(", 1)
+    arguments, call_id = rest.rsplit(")  [", 1)
+    assert name == "get_weather" and call_id.startswith("call_") and call_id.endswith("]")
+    jsonschema.validate(json.loads(arguments), WEATHER)
