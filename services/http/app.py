@@ -374,7 +374,9 @@ class OpenAIApi:
                 status, error = describe(exc, _request_id(), responses.FIELDS, responses.KNOWN)
                 if status >= 500:
                     logger.exception("HTTP responses stream failed")
-                yield responses.sse({"type": "error", "sequence_number": 0, **error["error"]})
+                body = error["error"]
+                yield responses.sse({"type": "error", "sequence_number": 0, "code": body["code"],
+                                     "message": body["message"], "param": body["param"]})
             finally:
                 stream.cancel()
                 await events.aclose()
