@@ -6,11 +6,35 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from genserve.services.common.builder import AppArgs
 from genserve.services.text.engine.engine import EngineConfig
 from genserve.services.text.engine.progress import DEFAULT_STALL_S
+from genserve.services.text.engine.speculative import SpeculativeConfig
+
+
+class SpeculativeArgs(BaseModel):
+    """`speculative:` in the serve config: exact speculative decoding (services/text/engine/speculative.py)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    method: Literal["ngram"] = "ngram"  # prompt lookup (Saxena 2023): drafts from the prompt and output so far
+    num_tokens: int = Field(SpeculativeConfig.num_tokens, ge=1, le=16)  # drafted tokens per step
+    ngram_min: int = Field(SpeculativeConfig.ngram_min, ge=1, le=64)
+    ngram_max: int = Field(SpeculativeConfig.ngram_max, ge=1, le=64)
+    # speculation switches off in a step where more sequences than this decode
+    max_batch: int = Field(SpeculativeConfig.max_batch, ge=1, le=4096)
+
+    @model_validator(mode="after")
+    def _ngram_range(self) -> SpeculativeArgs:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError("ngram_min: must be <= ngram_max")
+        return self
+
+    def config(self) -> SpeculativeConfig:
+        return SpeculativeConfig(method=self.method, num_tokens=self.num_tokens, ngram_min=self.ngram_min,
+                                 ngram_max=self.ngram_max, max_batch=self.max_batch)
 
 
 class TextArgs(AppArgs):
@@ -29,6 +53,8 @@ class TextArgs(AppArgs):
     prefix_caching: bool = EngineConfig.prefix_caching  # full KV blocks reused across requests that share a prefix
     # Work waits and no engine step finished for this long: health says NOT_SERVING and Ray replaces the replica.
     stall_seconds: float = Field(DEFAULT_STALL_S, gt=0, le=3600)
+    # Exact speculative decoding (engine/speculative.py); absent: off.
+    speculative: SpeculativeArgs | None = None
 
     @model_validator(mode="after")
     def _one_kv_budget(self) -> TextArgs:
@@ -41,4 +67,5 @@ class TextArgs(AppArgs):
             kv_cache_bytes=self.kv_cache_bytes or 0, kv_cache_fraction=self.kv_cache_fraction or 0.0,
             max_batched_tokens=self.max_batched_tokens, max_running=self.max_running,
             max_lookahead=self.max_lookahead, cuda_graphs=self.cuda_graphs, prefix_caching=self.prefix_caching,
+            speculative=self.speculative.config() if self.speculative is not None else None,
         )

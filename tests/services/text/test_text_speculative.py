@@ -222,3 +222,27 @@ def test_sampled_speculation_through_the_engine_follows_the_model(tmp_path):
         pit.append(below + torch.rand(len(o), generator=gen, dtype=torch.float64) * mass)
     counts = torch.histc(torch.cat(pit), bins=10, min=0, max=1).double()
     assert chi_square_p(counts, torch.full((10,), 0.1, dtype=torch.float64)) > 1e-3
+
+
+def test_serve_config_option_reaches_the_engine_and_is_off_by_default():
+    import re
+    from pathlib import Path
+
+    import yaml
+    from pydantic import ValidationError
+
+    from genserve.services.text.settings import TextArgs
+
+    assert TextArgs().engine_config().speculative is None
+    root = Path(__file__).resolve().parents[3]
+    for name in ("serve_config.yaml", "serve_config.local.yaml"):
+        text = (root / "deploy" / name).read_text()
+        args = yaml.safe_load(text)["applications"][0]["args"]
+        assert TextArgs(**args).engine_config().speculative is None  # documented, not on
+        documented = yaml.safe_load(re.search(r"# (speculative: \{.*\})", text).group(1))
+        assert TextArgs(**documented).engine_config().speculative == SpeculativeConfig()
+    assert TextArgs(speculative={"num_tokens": 6}).engine_config().speculative.num_tokens == 6
+    with pytest.raises(ValidationError, match="ngram_min"):
+        TextArgs(speculative={"ngram_min": 5, "ngram_max": 2})
+    with pytest.raises(ValidationError):
+        TextArgs(speculative={"method": "draft"})
