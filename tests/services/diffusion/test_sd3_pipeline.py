@@ -105,11 +105,11 @@ def _pixels(latents: torch.Tensor, vae_dir: Path) -> np.ndarray:
     return ((images.clamp(-1, 1) + 1) * 127.5).round().permute(0, 2, 3, 1).numpy()
 
 
-# (negative prompt, n, height, width, guidance scale): CFG with a negative prompt, CFG with the empty one, none (w=1)
+# (negative prompt, n, height, width, guidance scale): CFG with a negative prompt, and none (w = 1; the empty
+# negative is the default of test_edits' SD3 image-to-image case)
 @pytest.mark.parametrize(("negative", "n", "height", "width", "scale"), [
     ("blurry, low quality", 2, 48, 80, 5.0),
-    (None, 1, 80, 48, 7.0),
-    (None, 1, 64, 64, 1.0),
+    (None, 1, 80, 48, 1.0),
 ])
 def test_images_match_stable_diffusion_3_pipeline_seed_for_seed(sd3_dir, reference, negative: str | None, n: int,
                                                                 height: int, width: int, scale: float) -> None:
@@ -142,10 +142,8 @@ def _set_json(path: Path, **changes) -> None:
 
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda d: _set_json(d / "transformer" / "config.json", dual_attention_layers=[0]), "dual_attention_layers"),
-    (lambda d: _set_json(d / "transformer" / "config.json", qk_norm="layer_norm"), "qk_norm"),
     (lambda d: _set_json(d / "scheduler" / "scheduler_config.json", stochastic_sampling=True), "stochastic_sampling"),
     (lambda d: _set_json(d / "model_index.json", text_encoder_2=["transformers", "CLIPTextModel"]), "text_encoder_2"),
-    (lambda d: shutil.rmtree(d / "text_encoder_3"), "text_encoder_3"),
     (lambda d: _set_json(d / "text_encoder_3" / "config.json", feed_forward_proj="gated-foo"), "feed_forward_proj"),
 ])
 def test_bad_folders_are_refused_with_what_is_wrong(sd3_dir: Path, tmp_path: Path, edit, message: str) -> None:
