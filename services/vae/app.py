@@ -13,6 +13,7 @@ drawn from the request's own seed after its batch returns.
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from genserve.services.common.validation import Request, parse
 from genserve.services.vae.model import load_vae
 from genserve.shared.blocks.autoencoder import VAE
 from genserve.shared.blocks.autoencoder_kl import is_autoencoder_kl, load_autoencoder_kl
+from genserve.shared.blocks.autoencoder_kl_flow import load_flow_autoencoder_kl
 from genserve.shared.seeds import resolve_seed
 from genserve.v1 import common_pb2, vae_pb2
 
@@ -55,12 +57,22 @@ class ImagesIn(Request):
     seed: int | None = Field(None, ge=0)
 
 
+def _kl_folder(directory: Path, device: torch.device) -> VAE:
+    """An AutoencoderKL folder: SD's, or SD3's and Flux's 16-channel one without quant convs (whose shift_factor the
+    diffusion pipeline applies to its latents, not this app)."""
+    raw = json.loads((directory / "config.json").read_text())
+    if raw.get("use_quant_conv", True) and raw.get("use_post_quant_conv", True):
+        return load_autoencoder_kl(directory, device=device)
+    return load_flow_autoencoder_kl(directory, device=device)[0]
+
+
 def load_any_vae(model_dir: str | None, device: torch.device) -> tuple[VAE, bool]:
-    """(the VAE, whether it takes any multiple-of-its-factor size): an AutoencoderKL folder, or our own format."""
+    """(the VAE, whether it takes any multiple-of-its-factor size): an AutoencoderKL folder, a pipeline folder's
+    `vae/`, or our own format."""
     if model_dir is not None and is_autoencoder_kl(model_dir):
-        return load_autoencoder_kl(model_dir, device=device), True
+        return _kl_folder(Path(model_dir), device), True
     if model_dir is not None and (Path(model_dir) / "model_index.json").is_file():
-        return load_autoencoder_kl(Path(model_dir) / "vae", device=device), True
+        return _kl_folder(Path(model_dir) / "vae", device), True
     return load_vae(model_dir, device=device), False
 
 

@@ -152,3 +152,16 @@ def test_bad_folders_are_refused_with_what_is_wrong(sd3_dir: Path, tmp_path: Pat
     edit(folder)
     with pytest.raises((ValueError, FileNotFoundError), match=message):
         load_sd3_components(folder)
+
+
+def test_the_vae_app_serves_the_folders_16_channel_vae(sd3_dir: Path) -> None:
+    """The vae app given an SD3 folder loads its VAE without quant convs, as the pipeline does."""
+    from genserve.services.vae.app import load_any_vae
+
+    vae, any_size = load_any_vae(str(sd3_dir), torch.device("cpu"))
+    ours, _ = load_flow_autoencoder_kl(sd3_dir / "vae")
+    assert any_size
+    x = torch.rand(1, 3, 32, 48) * 2 - 1
+    with torch.no_grad():
+        mean = vae.encode(x)[0]
+        assert mean.shape[1] == 16 and torch.equal(mean, ours.encode(x)[0])
