@@ -20,6 +20,11 @@ With ``--arch moe`` or ``--arch mla`` the random checkpoint is a Qwen3-MoE (16 e
 model with multi-head latent attention and dense FFNs (issue 31), benched as (a) and (b) in fp32 against HF, with
 the KV-cache bytes per token beside those of the same width's MHA and GQA (the Llama config's 2 KV heads).
 
+With ``--speculative ngram`` (issue 34) the default model, SmolLM2-135M-Instruct Q4_1 kept quantised, runs with and
+without n-gram speculation (engine/speculative.py) side by side, greedy: an input-grounded task at batch 1 (quoting
+a ~400-token passage of this repository's code), open-ended chat at batch 1, and 16 concurrent chats; it prints
+tokens/s, the ratio and the acceptance rate.
+
 With ``--model`` the weights are a GGUF file's: transformers loads it dequantised to fp32 (``gguf_file=``), the
 engines load it through genserve.services.text.loader in fp32, bf16 and int8, and with its Q8_0/Q4_0/Q4_1 projections
 kept in the file's own blocks (QuantLinear, ``keep_quantized=True``). When llama-cpp-python is importable, llama.cpp
@@ -43,7 +48,9 @@ import torch
 from genserve.services.text import default_model
 from genserve.services.text.engine.engine import EngineConfig, LLMEngine
 from genserve.services.text.engine.params import SamplingParams
+from genserve.services.text.engine.speculative import SpeculativeConfig
 from genserve.services.text.loader import load_model, open_gguf
+from genserve.services.text.tokenizer import TextTokenizer
 
 FULL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
             num_key_value_heads=2, max_position_embeddings=1024)
@@ -450,6 +457,76 @@ def bench_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
+SPEC_NEW_TOKENS = 160
+CHATS = ("Write a short story about a lighthouse keeper who finds a message in a bottle.",
+         "Explain how a refrigerator works to a ten-year-old.", "What are three tips for learning a new language?",
+         "Describe a perfect autumn day in a small town.")
+
+
+def spec_prompts(tokenizer: TextTokenizer) -> tuple[list[int], list[list[int]]]:
+    """The input-grounded prompt (quote ~400 tokens of engine/kv_cache.py) and the open-ended chat prompts."""
+    source = (Path(__file__).resolve().parents[1] / "services/text/engine/kv_cache.py").read_text()
+    start = source.index("class BlockManager")
+    passage = tokenizer.decode(tokenizer.encode(source[start:], add_special_tokens=False)[:400])
+
+    def chat(text: str) -> list[int]:
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        return tokenizer.encode(rendered, add_special_tokens=False)
+
+    quote = chat(f"Repeat the following Python code exactly, with no comment:\n\n```python\n{passage}\n```")
+    return quote, [chat(c) for c in CHATS]
+
+
+def spec_run(engine: LLMEngine, prompts: list[list[int]]) -> float:
+    """Greedy tokens/s over ``prompts`` sent together, from the first token of the first to the last token."""
+    stamps: list[float] = []
+    counts = [0]
+
+    def on_delta(d) -> None:
+        stamps.append(now())
+        counts[0] += len(d.token_ids)
+
+    for i, p in enumerate(prompts):
+        engine.add_request(f"s{i}-{time.perf_counter_ns()}", p, SamplingParams(max_tokens=SPEC_NEW_TOKENS,
+                                                                              temperature=0), on_delta)
+    while engine.has_work():
+        engine.step()
+    return (counts[0] - 1) / (stamps[-1] - stamps[0])
+
+
+def bench_speculative(args: argparse.Namespace) -> int:
+    """SmolLM2 Q4_1 kept quantised, greedy, with and without n-gram speculation."""
+    path = gguf_path(args.model or "smollm2")
+    tokenizer = TextTokenizer.from_dir(path)
+    spec = SpeculativeConfig(num_tokens=args.num_speculative_tokens, ngram_min=1, ngram_max=4)
+
+    def engine(speculative: SpeculativeConfig | None) -> LLMEngine:
+        return LLMEngine(load_model(path, "float32", keep_quantized=True), tokenizer, EngineConfig(
+            block_size=16, max_batched_tokens=512, max_lookahead=args.max_lookahead, prefix_caching=False,
+            speculative=speculative))
+
+    plain, fast = engine(None), engine(spec)
+    quote, chats = spec_prompts(tokenizer)
+    tasks = {"quote 400-token code, batch 1": [quote], "open-ended chat, batch 1": [chats[0]],
+             f"{CONCURRENT} concurrent chats": [chats[i % len(chats)] for i in range(CONCURRENT)]}
+    print(f"model: {path.name} kept quantised, {args.threads} threads, {args.repeats} repeats, {args.clock} clock, "
+          f"greedy, {SPEC_NEW_TOKENS} new tokens; speculation: {spec}")
+    print(f"{'task':34s} {'no speculation tok/s':>26s} {'n-gram tok/s':>26s} {'ratio':>6s} {'acceptance':>10s}")
+    for name, prompts in tasks.items():
+        before = fast.speculation_stats()
+        base = [spec_run(plain, prompts) for _ in range(args.repeats)]
+        with_spec = [spec_run(fast, prompts) for _ in range(args.repeats)]
+        after = fast.speculation_stats()
+        proposed = after["proposed"] - before["proposed"]
+        rate = (after["accepted"] - before["accepted"]) / proposed if proposed else 0.0
+        print(f"{name:34s} {fmt(base):>26s} {fmt(with_spec):>26s} "
+              f"{stats(with_spec)[0] / stats(base)[0]:6.2f} {rate:10.2f}")
+    print(f"acceptance by draft position since start: {fast.speculation_stats()['accepted_by_position']} of "
+          f"{fast.speculation_stats()['proposed_by_position']}")
+    print("goals (issue 34): quoting >= 1.8x, open-ended chat >= 0.95x, 16 concurrent >= 0.95x")
+    return 0
+
+
 def bench_arch(args: argparse.Namespace) -> int:
     """(a) and (b) for a MoE or MLA checkpoint, fp32 engine against HF, and the KV bytes per token."""
     cfg = SMALL if args.small else FULL
@@ -486,9 +563,14 @@ def main() -> int:
     parser.add_argument("--prefix-only", action="store_true", help="run (d), the prefix-caching TTFT, alone")
     parser.add_argument("--arch", choices=("llama", "moe", "mla"), default="llama",
                         help="the random checkpoint's architecture (module docstring)")
+    parser.add_argument("--speculative", choices=("ngram",), help="SmolLM2 Q4_1 with and without n-gram "
+                                                                   "speculative decoding (module docstring)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=SpeculativeConfig.num_tokens)
     args = parser.parse_args()
     _clock[0] = _CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
+    if args.speculative:
+        return bench_speculative(args)
     if args.model:
         return bench_gguf(args)
     if args.arch != "llama":

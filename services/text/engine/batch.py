@@ -10,44 +10,53 @@ from genserve.shared.blocks.paged import PagedBatch, PrefillChunk
 
 
 def build_batch(chunks: list[ScheduledChunk], blocks: BlockManager) -> tuple[PagedBatch, list[ScheduledChunk]]:
-    """The batch for ``chunks`` and the chunks reordered to match it (decode tokens first, then prefills). A chunk
-    with a speculative draft is a prefill chunk of its tokens and the draft (the verify pass), with the logits of
-    its last token and of every draft token kept."""
-    decodes = [c for c in chunks if c.length == 1 and not c.draft]
-    prefills = [c for c in chunks if c.length > 1 or c.draft]
+    """The batch for ``chunks`` and the chunks reordered to match it (decode tokens first, then prefills).
+
+    A chunk with a speculative draft of k tokens (the verify pass, engine/speculative.py) becomes k + 1 decode rows
+    of its sequence, its newest token and each draft at the following positions, sharing its block table, row j
+    with context length ``start + 1 + j``, every row's logits kept. Both attention paths write every row's K/V into
+    the cache before any row attends (``MultiHeadAttention.forward_paged``; the fused C step's key store precedes
+    its attention loop), so row j sees rows 0..j: causal attention over the chunk, and the runner's decode paths
+    (the fused CPU step, CUDA graphs) score all k + 1 positions."""
+    decodes = [c for c in chunks if c.length == 1]
+    prefills = [c for c in chunks if c.length > 1]
     ordered = decodes + prefills
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     logits_index: list[int] = []
     tables = [blocks.tables[c.seq.request_id] for c in ordered]
+    decode_rows: list[list[int]] = []  # the block table of every decode row
+    decode_lens: list[int] = []
     for c, table in zip(ordered, tables, strict=True):
         tokens = c.seq.tokens
         n = c.length + len(c.draft)
         if c.sample:
             logits_index.extend(range(len(ids) + c.length - 1, len(ids) + n))
+        if c.length == 1:
+            decode_rows.extend([table] * n)
+            decode_lens.extend(range(c.start + 1, c.start + 1 + n))
         ids.extend(tokens[c.start:c.start + c.length])
         ids.extend(c.draft)
         positions.extend(range(c.start, c.start + n))
         slots.extend(blocks.slots(table, c.start, c.start + n))
-    width = max((len(t) for t in tables[:len(decodes)]), default=1)
+    width = max((len(t) for t in decode_rows), default=1)
     # One tensor per field, built from Python lists in one call each: a decode step is short enough on the CPU
     # that every extra small tensor op shows in tokens/s.
-    decode_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables[:len(decodes)]],
-                                 dtype=torch.int32).view(len(decodes), width)
+    decode_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_rows],
+                                 dtype=torch.int32).view(len(decode_rows), width)
     chunks_out = []
-    offset = len(decodes)
+    offset = len(decode_rows)
     for c, table in zip(prefills, tables[len(decodes):], strict=True):
-        n = c.length + len(c.draft)
-        chunks_out.append(PrefillChunk(offset, n, c.start, torch.tensor(table, dtype=torch.long)))
-        offset += n
+        chunks_out.append(PrefillChunk(offset, c.length, c.start, torch.tensor(table, dtype=torch.long)))
+        offset += c.length
     flat = torch.tensor([ids, positions, slots], dtype=torch.long)  # (3, N): three contiguous rows
     batch = PagedBatch(
         input_ids=flat[0],
         positions=flat[1],
         slots=flat[2],
         decode_tables=decode_tables,
-        decode_lens=torch.tensor([c.start + 1 for c in decodes], dtype=torch.int32),
+        decode_lens=torch.tensor(decode_lens, dtype=torch.int32),
         prefills=tuple(chunks_out),
         logits_index=torch.tensor(logits_index, dtype=torch.long),
     )

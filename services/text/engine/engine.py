@@ -263,8 +263,8 @@ class LLMEngine:
         return out
 
     def _verify_step(self, batch: PagedBatch, chunks: list[ScheduledChunk]) -> int:
-        """One step with speculative drafts: score every sampled position through the runner's plain forward pass
-        (``forward_paged``: a draft chunk is a prefill chunk of k + 1 tokens), sample the chunks without a draft as
+        """One step with speculative drafts: score every sampled position (``runner.execute_logits``: a draft chunk
+        is k + 1 decode rows, engine/batch.py), sample the chunks without a draft as
         ``sample_batch`` does, verify each draft (Leviathan et al. 2023; Chen et al. 2023), then, per sequence: keep
         the K/V of its accepted tokens, give the blocks past them back, and emit the accepted drafts and the
         corrected or bonus token one by one, up to the one that finishes it (EOS, a stop string, ``max_tokens``)."""

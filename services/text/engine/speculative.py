@@ -1,10 +1,12 @@
 """Exact speculative decoding with n-gram (prompt lookup) drafts.
 
 A proposer drafts up to k tokens for a running sequence; the engine scores the sequence's newest token and the k
-drafts as one chunk of k + 1 positions (a prefill chunk with ``start > 0``, attending to the cached keys before it),
-keeping the next-token logits of every position, and keeps the longest prefix the target model accepts plus one
-token of its own. One forward pass over k + 1 tokens reads the weights once, like one decode step, so every
-accepted draft is nearly free where decoding is bound by the weight stream.
+drafts in one forward pass as k + 1 decode rows sharing the sequence's block table, row j with context length
+``start + 1 + j`` (engine/batch.py: every row's K/V is written before any row attends, so the rows attend causally;
+the CPU runner's fused step takes them like any decode rows), keeping the next-token logits of every position,
+and keeps the longest prefix the target model accepts plus one token of its own. One forward pass over k + 1
+tokens reads the weights once, like one decode step, so every accepted draft is nearly free where decoding is
+bound by the weight stream.
 
 * Proposer (Saxena 2023, "Prompt Lookup Decoding"; vLLM's ``ngram`` proposer, llama.cpp's ``lookup``): find the
   latest earlier occurrence of the sequence's last n tokens (n from ``ngram_max`` down to ``ngram_min``) in the

@@ -184,8 +184,11 @@ class CpuRunner:
         return sample_batch(logits, rows)
 
     def execute_logits(self, batch: PagedBatch) -> torch.Tensor:
-        # Several positions per sequence (a speculative verify chunk): the fused step and graphs take one.
-        return self.model.forward_paged(batch, self.k_caches, self.v_caches)
+        # A speculative verify step: k + 1 decode rows per drafted sequence (engine/batch.py), on the fused step
+        # where it applies, like ``execute``.
+        fused = self.fused is not None and not batch.prefills and batch.n_decode <= FUSED_MAX_TOKENS
+        forward = self.fused if fused else self.model.forward_paged
+        return forward(batch, self.k_caches, self.v_caches)  # (S, V)
 
     def execute_greedy(self, batch: PagedBatch, steps: int) -> list[list[int]]:
         if self.fused is None:

@@ -175,7 +175,7 @@ class CudaRunner:
         return sample_batch(logits, rows)
 
     def execute_logits(self, batch: PagedBatch) -> torch.Tensor:
-        # Several positions per sequence (a speculative verify chunk): the fused step and graphs take one.
+        # A speculative verify step (k + 1 decode rows per drafted sequence, engine/batch.py) through forward_paged.
         return self.model.forward_paged(batch, self.k_caches, self.v_caches)
 
     def execute_greedy(self, batch: PagedBatch, steps: int) -> list[list[int]]:

@@ -1,6 +1,6 @@
 """Exact speculative decoding (engine/speculative.py): the n-gram proposer, the acceptance rule's distribution
 (chi-square over >= 20,000 draws; Leviathan et al. 2023, Chen et al. 2023), and greedy output token-identical to
-decoding without speculation through the engine, alone, in mixed batches, under preemption and on the fused path."""
+decoding without speculation through the engine, alone, in mixed batches, under preemption and on the fused step."""
 
 from __future__ import annotations
 
@@ -178,17 +178,33 @@ def test_speculation_keeps_logprobs_stop_strings_eos_and_preemption(model):
     assert tight.counters().preemptions > 0 and tight.kv_blocks_free == 24
 
 
-def test_fused_decode_path_still_runs_around_speculation(cpu_kernels, model):
-    """Steps without a draft keep the fused C step and its lookahead; draft steps go through forward_paged."""
+class CountingFused:
+    """The CPU runner's fused step, recording the rows of every single-step call and the steps of every lookahead."""
+
+    def __init__(self, inner):
+        self.inner, self.rows, self.steps = inner, [], []
+
+    def __call__(self, batch, k_caches, v_caches):
+        self.rows.append(batch.n_decode)
+        return self.inner(batch, k_caches, v_caches)
+
+    def greedy(self, batch, steps, k_caches, v_caches):
+        self.steps.append(steps)
+        return self.inner.greedy(batch, steps, k_caches, v_caches)
+
+
+def test_the_fused_step_scores_the_drafts_and_keeps_its_lookahead(cpu_kernels, model):
+    """A verify chunk is k + 1 decode rows of one sequence (engine/batch.py): the fused C step scores them, and
+    steps without a draft keep its greedy lookahead."""
     ps = repetitive_prompts()
     engine = engine_for(model, SPEC)
     assert engine.runner.fused is not None
-    calls: list[int] = []
-    greedy = engine.runner.fused.greedy
-    engine.runner.fused.greedy = lambda batch, steps, k, v: calls.append(steps) or greedy(batch, steps, k, v)
+    engine.runner.fused = counting = CountingFused(engine.runner.fused)
     params = SamplingParams(max_tokens=40, temperature=0)
-    assert engine.generate_batch([ps[2]], params) == engine_for(model, None).generate_batch([ps[2]], params)
-    assert calls and engine.speculation_stats()["proposed"] > 0
+    for prompt in (ps[0], ps[2]):
+        assert engine.generate_batch([prompt], params) == engine_for(model, None).generate_batch([prompt], params)
+    assert max(counting.rows) == 1 + SPEC.num_tokens and counting.steps
+    assert engine.speculation_stats()["accepted"] > 0
 
 
 def test_sampled_speculation_through_the_engine_follows_the_model(tmp_path):
