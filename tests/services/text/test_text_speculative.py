@@ -262,3 +262,20 @@ def test_serve_config_option_reaches_the_engine_and_is_off_by_default():
         TextArgs(speculative={"ngram_min": 5, "ngram_max": 2})
     with pytest.raises(ValidationError):
         TextArgs(speculative={"method": "draft"})
+
+
+def test_triton_backend_verifies_drafts_with_the_same_greedy_tokens(model, tmp_path):
+    """The CUDA runner's path (Triton kernels, interpreted on CPU tensors: TRITON_INTERPRET=1, tests/conftest.py)
+    scores the k + 1 decode rows of a draft through ``forward_paged`` and keeps greedy output identical."""
+    pytest.importorskip("triton", reason="triton is not installed on this platform")
+    from genserve.services.text.runners.cuda import CudaRunner
+    from genserve.shared.blocks.backend import get_backend
+
+    torch.manual_seed(0)
+    directory = save_hf(hf_model("llama"), tmp_path, sharded=False)
+    triton_model = load_model(directory, backend=get_backend("triton"))
+    engine = LLMEngine(triton_model, byte_tokenizer(), EngineConfig(block_size=16, max_lookahead=1, speculative=SPEC))
+    assert isinstance(engine.runner, CudaRunner)
+    prompt, params = repetitive_prompts()[1], SamplingParams(max_tokens=12, temperature=0)
+    assert engine.generate_batch([prompt], params) == engine_for(model, None).generate_batch([prompt], params)
+    assert engine.speculation_stats()["accepted"] > 0
