@@ -24,7 +24,7 @@ from genserve.services.text.engine.runner import ModelRunner
 from genserve.services.text.engine.sampler import make_generator, sample_batch
 from genserve.services.text.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from genserve.services.text.engine.sequence import Sequence
-from genserve.services.text.engine.speculative import SpeculativeConfig, Verdict, propose_ngram, verify
+from genserve.services.text.engine.speculative import MAX_BACKOFF, SpeculativeConfig, Verdict, propose_ngram, verify
 from genserve.shared.blocks.paged import PagedBatch
 
 
@@ -239,7 +239,8 @@ class LLMEngine:
         """Give each sampled one-token chunk an n-gram draft (Saxena 2023) of up to ``num_tokens`` tokens, with the
         blocks for its slots reserved now. None when more than ``max_batch`` sequences decode this step; none for a
         grammar-constrained request (module docstring of engine/speculative.py); a draft never reaches past
-        ``max_tokens`` or the context, nor the step's token budget, and is dropped when the free blocks run short."""
+        ``max_tokens`` or the context, nor the step's token budget, and is dropped when the free blocks run short;
+        a sequence whose drafts keep being rejected backs off (``_verify_step``)."""
         spec = self.config.speculative
         assert spec is not None
         if sum(1 for c in chunks if c.sample and c.length == 1) > spec.max_batch:
@@ -250,7 +251,8 @@ class LLMEngine:
             seq = c.seq
             k = min(spec.num_tokens, budget, seq.params.max_tokens - len(seq.output_ids) - 1,
                     self.max_context - seq.num_tokens - 1)
-            if c.length != 1 or not c.sample or seq.grammar is not None or k <= 0:
+            if c.length != 1 or not c.sample or seq.grammar is not None or k <= 0 or seq.spec_skip > 0:
+                seq.spec_skip = max(0, seq.spec_skip - 1) if c.sample else seq.spec_skip
                 out.append(c)
                 continue
             draft = propose_ngram(seq.tokens, k, spec.ngram_min, spec.ngram_max)
@@ -298,6 +300,10 @@ class LLMEngine:
                         deltas.append((seq, self._advance(seq, *sampled[i])))
                     continue
                 verdict = verdicts[i]
+                # Back off where drafts keep failing (open-ended text): after n passes in a row that accepted
+                # nothing, the next min(2^n, MAX_BACKOFF) steps run without a draft.
+                seq.spec_misses = 0 if verdict.accepted else seq.spec_misses + 1
+                seq.spec_skip = min(1 << seq.spec_misses, MAX_BACKOFF) if seq.spec_misses else 0
                 for j in range(len(c.draft)):
                     self.spec_proposed[j] += 1
                     self.spec_accepted[j] += j < verdict.accepted

@@ -28,6 +28,10 @@ class Sequence:
     arrival: int = 0  # admission order: later arrivals are preempted first
     interactive: bool = False  # its consumer shows tokens as they come: every token leaves the engine at once
     grammar: Grammar | None = None  # structured output: the tokens the grammar allows next
+    # Speculation's back-off (engine/speculative.py): verify passes in a row that accepted no draft, and the steps
+    # left to run without a draft.
+    spec_misses: int = 0
+    spec_skip: int = 0
 
     @property
     def tokens(self) -> list[int]:

@@ -42,6 +42,9 @@ import torch
 from genserve.services.text.engine.params import TokenLogprob
 from genserve.services.text.engine.sampler import SampleRow, apply_penalties, filter_logits_batch
 
+# A sequence whose drafts were all rejected n verify passes in a row skips speculation for min(2^n, this) steps.
+MAX_BACKOFF = 16
+
 
 @dataclass(frozen=True)
 class SpeculativeConfig:

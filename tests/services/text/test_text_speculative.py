@@ -279,3 +279,18 @@ def test_triton_backend_verifies_drafts_with_the_same_greedy_tokens(model, tmp_p
     prompt, params = repetitive_prompts()[1], SamplingParams(max_tokens=12, temperature=0)
     assert engine.generate_batch([prompt], params) == engine_for(model, None).generate_batch([prompt], params)
     assert engine.speculation_stats()["accepted"] > 0
+
+
+def test_a_sequence_whose_drafts_keep_failing_backs_off(model, monkeypatch):
+    """Drafts that are never the argmax: after n failed passes in a row, min(2^n, 16) steps run without a draft."""
+    from genserve.services.text.engine import engine as engine_module
+
+    prompt, params = repetitive_prompts()[2], SamplingParams(max_tokens=40, temperature=0)
+    expected = engine_for(model, None).generate_batch([prompt], params)
+    never = next(t for t in range(VOCAB) if t not in expected[0][1])
+    monkeypatch.setattr(engine_module, "propose_ngram", lambda tokens, k, lo, hi: [never])
+    engine = engine_for(model, SPEC, max_lookahead=1)
+    assert engine.generate_batch([prompt], params) == expected
+    # 39 decode steps; drafts at steps 1, 4, 9, 18, 35 (each followed by 2, 4, 8, 16 steps without)
+    assert engine.speculation_stats()["proposed_by_position"][0] == 5
+    assert engine.speculation_stats()["accepted"] == 0
