@@ -39,7 +39,7 @@ lint: $(STAMP)
 
 test: $(STAMP) default-model browser
 	$(VENV)/bin/ruff check .
-	$(PY) -P -m pytest -q
+	$(PY) -P -m pytest -q --durations=25
 
 # Debian's Chromium for the playground's browser tests (tests/e2e/test_e2e_playground.py), installed with apt where
 # it is missing; CI runs as root.

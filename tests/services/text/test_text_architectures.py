@@ -180,9 +180,10 @@ def test_greedy_generation_matches_transformers_alone_and_in_a_batch(checkpoint,
 
 
 # The attention variants the kernels gained: soft-capping (Gemma 2), QK-norm and two RoPE bases (Gemma 3), sinks
-# (gpt-oss), MLA's latent entries (DeepSeek-V3); the fused-MoE grouped GEMMs (Qwen3-MoE, DeepSeek-V3; gpt-oss's
-# biased, clamped experts keep the grouped loop); the other families run the kernels as Llama does.
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "gpt_oss", "deepseek_v3", "qwen3_moe"])
+# (gpt-oss), MLA's latent entries and the fused-MoE grouped GEMMs (DeepSeek-V3; gpt-oss's biased, clamped experts
+# keep the grouped loop); the other families run these same kernels (Gemma 3 and Qwen3-MoE were checked as well when
+# this was written, and are left out of `make test` for its time budget).
+@pytest.mark.parametrize("arch", ["gemma2", "gpt_oss", "deepseek_v3"])
 def test_triton_kernels_give_the_same_greedy_tokens(arch, tmp_path_factory, monkeypatch):
     """GENSERVE_BACKEND=triton under the interpreter: soft-capping and sinks run inside the flash and paged kernels,
     MLA's absorbed attention through the same kernels as MQA over its latent entries, the experts in the fused-MoE
