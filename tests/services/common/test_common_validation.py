@@ -17,12 +17,17 @@ class Sampling(Request):
     stop: list[str] = []
     json_schema: str = ""
     regex: str = ""
+    tools: list[dict] = []
+    tool_choice: str = ""
+    tool_name: str = ""
+    reasoning_effort: str = ""
 
 
 def test_unset_optional_fields_are_omitted() -> None:
     # Plain proto3 scalars (no `optional`) have no presence: they are always there, at their zero value.
-    assert message_to_dict(text_pb2.TextRequest(prompt="hi")) == {"prompt": "hi", "messages": [], "stop": [],
-                                                                   "json_schema": "", "regex": ""}
+    assert message_to_dict(text_pb2.TextRequest(prompt="hi")) == {
+        "prompt": "hi", "messages": [], "stop": [], "json_schema": "", "regex": "", "tools": [], "tool_choice": "",
+        "tool_name": "", "reasoning_effort": ""}
 
 
 def test_an_optional_set_to_zero_is_kept() -> None:
