@@ -66,6 +66,17 @@ def _gather_paged(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
     return blocks.reshape(b, m * bs, h, d).transpose(1, 2)
 
 
+def _paged_keys(q, k_cache, v_cache, block_tables, context_lens, window: int):
+    """Every sequence's cached keys and values gathered (B, Hkv, M*bs, D), and the keep-mask (B, 1, 1, M*bs) of its
+    context (its last `window` keys with a window)."""
+    k = _gather_paged(k_cache, block_tables)
+    v = _gather_paged(v_cache, block_tables)
+    pos = torch.arange(k.shape[2], device=q.device)[None, :]
+    lens = context_lens.to(q.device).long()[:, None]
+    keep = (pos < lens) & (pos >= lens - window) if window else pos < lens
+    return k, v, keep[:, None, None, :]
+
+
 class PreparedWeights(dict):
     """A module's store for what a backend derives from its weights (e.g. a copy reordered for oneDNN). Derived
     data only: copies and pickles of the module start with it empty, as oneDNN tensors can be neither."""
@@ -181,12 +192,7 @@ class TorchBackend(ReferenceBackend):
             if cpu_paged_decode.supports(q, k_cache, v_cache):
                 return cpu_paged_decode.paged_decode(q, k_cache, v_cache, block_tables, context_lens,
                                                      sm_scale=sm_scale)
-        k = _gather_paged(k_cache, block_tables)  # (B, Hkv, M*bs, D)
-        v = _gather_paged(v_cache, block_tables)
-        pos = torch.arange(k.shape[2], device=q.device)[None, :]
-        lens = context_lens.to(q.device).long()[:, None]
-        keep = (pos < lens) & (pos >= lens - window) if window else pos < lens
-        mask = keep[:, None, None, :]  # (B, 1, 1, M*bs)
+        k, v, mask = _paged_keys(q, k_cache, v_cache, block_tables, context_lens, window)
         gqa = q.shape[1] != k.shape[1]
         o = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, scale=sm_scale, enable_gqa=gqa)
         return o[:, :, 0]
@@ -196,12 +202,8 @@ class TorchBackend(ReferenceBackend):
                              ) -> torch.Tensor:
         """paged_decode with soft-capped scores or sinks: every sequence's keys gathered at once, written-out
         attention (sdpa.py)."""
-        k = _gather_paged(k_cache, block_tables)  # (B, Hkv, M*bs, D)
-        v = _gather_paged(v_cache, block_tables)
-        pos = torch.arange(k.shape[2], device=q.device)[None, :]
-        lens = context_lens.to(q.device).long()[:, None]
-        keep = (pos < lens) & (pos >= lens - window) if window else pos < lens
-        o = scaled_dot_product_attention(q[:, :, None], k, v, keep[:, None, None, :], sm_scale=sm_scale,
+        k, v, mask = _paged_keys(q, k_cache, v_cache, block_tables, context_lens, window)
+        o = scaled_dot_product_attention(q[:, :, None], k, v, mask, sm_scale=sm_scale,
                                          softcap=softcap, sinks=sinks)
         return o[:, :, 0]
 
