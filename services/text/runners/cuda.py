@@ -166,10 +166,11 @@ class CudaRunner:
 
     def execute(self, batch: PagedBatch, rows: list[SampleRow]) -> list[tuple[int, TokenLogprob | None]]:
         if not batch.prefills and self.graphs is not None and batch.n_decode <= self.graphs.max_batch:
-            logits = self.graphs.run(batch.to(self.device))
+            batch = batch.to(self.device)  # the step's one host-to-device copy (PagedBatch.to)
+            logits = self.graphs.run(batch)
             if batch.logits_index.numel() != batch.n_decode:
                 # A one-token prefill chunk that does not sample sits among the decode rows: keep the sampled rows.
-                logits = logits[batch.logits_index.to(logits.device)]
+                logits = logits[batch.logits_index]
         else:
             logits = self.model.forward_paged(batch, self.k_caches, self.v_caches)
         return sample_batch(logits, rows)
