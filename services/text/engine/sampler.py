@@ -16,6 +16,7 @@ in one copy.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 from typing import Protocol
 
 import torch
@@ -32,19 +33,35 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
                     output_ids: list[int]) -> torch.Tensor:
+    """``penalize_batch`` of one row: ``logits`` (V,), on any device."""
+    return penalize_batch(logits[None], [params], [prompt_ids], [output_ids])[0]
+
+
+def penalize_batch(logits: torch.Tensor, params: Sequence[SamplingParams], prompt_ids: Sequence[list[int]],
+                   output_ids: Sequence[list[int]]) -> torch.Tensor:
     """Repetition penalty (Keskar et al. 2019, CTRL: divide positive / multiply negative logits of every seen
     token, prompt included) then presence/frequency penalties (OpenAI: ``-presence*[count>0] - frequency*count``
-    over generated tokens only). ``logits``: (V,), on any device."""
-    logits = logits.clone()
-    if params.repetition_penalty != 1:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
-        picked = logits[seen]
-        logits[seen] = torch.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)
-    if output_ids and (params.presence_penalty or params.frequency_penalty):
-        ids = torch.tensor(output_ids, dtype=torch.long, device=logits.device)
-        counts = torch.bincount(ids, minlength=logits.numel()).to(logits)
-        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits)
-    return logits
+    over generated tokens only), each row (R, V) with its own ``params``, on the logits' device.
+
+    A decode step runs this for every penalised row, over contexts of thousands of tokens: so no Python set or sort
+    of them; the rows' seen and generated ids go to the device in one tensor and are marked and counted there."""
+    rows = list(zip(params, prompt_ids, output_ids, strict=True))
+    seen = [p + o if q.repetition_penalty != 1 else [] for q, p, o in rows]
+    generated = [o if q.presence_penalty or q.frequency_penalty else [] for q, _, o in rows]
+    lists = seen + generated
+    host = torch.tensor(list(chain.from_iterable(lists)), dtype=torch.long)
+    owner = torch.repeat_interleave(torch.arange(len(lists)) % len(params), torch.tensor([len(x) for x in lists]))
+    ids, owner = torch.stack((host, owner)).to(logits.device)  # (2, n): ids, their rows
+    n_seen = sum(map(len, seen))
+    marked = torch.zeros_like(logits, dtype=torch.bool).index_put_((owner[:n_seen], ids[:n_seen]),
+                                                                    torch.ones((), dtype=torch.bool))
+    counts = torch.zeros_like(logits).index_put_((owner[n_seen:], ids[n_seen:]), torch.ones((), dtype=logits.dtype),
+                                                 accumulate=True)
+    rep, presence, frequency = torch.tensor(
+        [[q.repetition_penalty, q.presence_penalty, q.frequency_penalty] for q in params], dtype=logits.dtype
+    ).to(logits.device).T[..., None]  # each (R, 1)
+    logits = torch.where(marked, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - (frequency * counts + presence * (counts > 0).to(logits))
 
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
@@ -138,9 +155,10 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[tuple[
     x = mask_grammar_rows(raw, rows)
     penalised = [i for i, r in enumerate(rows) if r.params.has_penalties]
     if penalised:
-        x = x.clone()
-        for i in penalised:
-            x[i] = apply_penalties(x[i], rows[i].params, rows[i].prompt_ids, rows[i].output_ids)
+        index = torch.tensor(penalised, device=x.device)
+        picked = [rows[i] for i in penalised]
+        x = x.index_copy(0, index, penalize_batch(x[index], [r.params for r in picked], [r.prompt_ids for r in picked],
+                                                  [r.output_ids for r in picked]))
     tokens = x.argmax(-1)  # (R,): the greedy rows' answer; sampled rows are overwritten below
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:

@@ -40,7 +40,7 @@ from typing import Literal
 import torch
 
 from genserve.services.text.engine.params import TokenLogprob
-from genserve.services.text.engine.sampler import SampleRow, apply_penalties, filter_logits_batch
+from genserve.services.text.engine.sampler import SampleRow, filter_logits_batch, penalize_batch
 
 # A sequence whose drafts were all rejected n verify passes in a row skips speculation for min(2^n, this) steps.
 MAX_BACKOFF = 16
@@ -118,8 +118,9 @@ def target_logits(raw: torch.Tensor, row: SampleRow, drafts: list[int]) -> torch
     0..j-1 were already emitted at position j. raw (k+1, V) float -> (k+1, V)."""
     if not row.params.has_penalties:
         return raw
-    return torch.stack([apply_penalties(raw[j], row.params, row.prompt_ids, row.output_ids + drafts[:j])
-                        for j in range(raw.shape[0])])
+    positions = range(raw.shape[0])
+    return penalize_batch(raw, [row.params for _ in positions], [row.prompt_ids for _ in positions],
+                          [row.output_ids + drafts[:j] for j in positions])
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,13 @@ from genserve.services.text.config import LlamaConfig, from_hf, to_hf
 from genserve.services.text.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from genserve.services.text.engine.kv_cache import BlockManager, block_bytes
 from genserve.services.text.engine.params import SamplingParams
-from genserve.services.text.engine.sampler import apply_penalties, draw_batch, filter_logits_batch, make_generator
+from genserve.services.text.engine.sampler import (
+    apply_penalties,
+    draw_batch,
+    filter_logits_batch,
+    make_generator,
+    penalize_batch,
+)
 from genserve.services.text.loader import load_model, weight_files
 from genserve.services.text.tokenizer import TextTokenizer
 
@@ -83,6 +89,30 @@ def test_penalties_follow_ctrl_and_openai_definitions():
     pf = apply_penalties(logits, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), [0], [2, 2, 3])
     assert pf.tolist() == [2.0, -2.0, 1.0 - 0.5 - 0.5, 0.5 - 0.5 - 0.25]
 
+
+
+def _penalized_row(x: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """The definitions written out token by token."""
+    x = x.clone()
+    for t in set(prompt) | set(output) if params.repetition_penalty != 1 else ():
+        x[t] = x[t] / params.repetition_penalty if x[t] > 0 else x[t] * params.repetition_penalty
+    for t in set(output):
+        x[t] -= params.frequency_penalty * output.count(t) + params.presence_penalty
+    return x
+
+
+def test_penalties_of_a_batch_are_each_rows_own():
+    """Rows with different settings (one with none) in one pass on the device, repeated ids counted (issue 37,
+    defect 8: no Python set per row and step)."""
+    logits = torch.randn(4, 50) * 3
+    params = [SamplingParams(repetition_penalty=1.3), SamplingParams(),
+              SamplingParams(presence_penalty=0.5, frequency_penalty=0.25),
+              SamplingParams(repetition_penalty=0.8, presence_penalty=-0.3, frequency_penalty=0.1)]
+    prompts, outputs = [[1, 2, 2, 49], [3], [4, 5], [0, 7]], [[2, 9, 9], [3, 3], [5, 5, 5, 6], []]
+    got = penalize_batch(logits, params, prompts, outputs)
+    for i in range(4):
+        torch.testing.assert_close(got[i], _penalized_row(logits[i], params[i], prompts[i], outputs[i]))
+    assert torch.equal(got[1], logits[1])
 
 def test_block_manager_grows_frees_and_sizes_from_the_memory_budget():
     bm = BlockManager(num_blocks=5, block_size=4)
