@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -126,3 +127,21 @@ def test_gpu_image_sets_the_serve_env_of_make_serve() -> None:
         if instruction.startswith("ENV "):
             env |= dict(re.findall(r"(\w+)=(\S+)", instruction))
     assert {k: v for k, v in env.items() if k.startswith("RAY_SERVE_")} == SERVE_ENV
+
+
+def test_the_triton_cache_is_a_folder_the_replicas_write_and_compose_keeps(root: Path) -> None:
+    """Compiled kernels outlive a container (issue 37, defect 10): the image points Triton at a folder owned by the
+    replicas' user, and docker-compose.yml mounts a named volume there on every Ray node."""
+    instructions = _instructions(DOCKERFILE.read_text())
+    env: dict[str, str] = {}
+    for instruction in instructions:
+        if instruction.startswith("ENV "):
+            env |= dict(re.findall(r"(\w+)=(\S+)", instruction))
+    cache = env["TRITON_CACHE_DIR"]
+    commands = [c.strip() for i in instructions if i.startswith("RUN ") for c in i[4:].split("&&")]
+    assert any(c.startswith("mkdir -p") and "$TRITON_CACHE_DIR" in c for c in commands)
+    assert any(c.startswith("chown -R genserve:genserve") and "$TRITON_CACHE_DIR" in c for c in commands)
+    compose = yaml.safe_load((root / "docker-compose.yml").read_text())
+    for name in ("ray-head", "ray-worker"):
+        assert f"triton-cache:{cache}" in compose["services"][name]["volumes"], name
+    assert "triton-cache" in compose["volumes"]
