@@ -5,6 +5,11 @@ the load-test stack (9200); GENSERVE_E2E_GRPC_PORT moves the whole block. The st
 weights (the text one too, even when `make` has fetched the default model) unless GENSERVE_TEXT_MODEL /
 GENSERVE_GAN_MODEL / ... point elsewhere (the variables reach the replicas). GENSERVE_E2E_START_TIMEOUT_S (default 240)
 bounds each stack's start.
+
+The two shared stacks (`stack`, `smollm2_stack`) live from their first test to their last, not to the end of the run:
+the e2e modules run in three groups (those with no shared stack, those on `stack`, those on `smollm2_stack` only),
+and a shared stack stops after the last test that uses it. An idle Ray stack takes a fifth of a core, and on the
+2-core CI machine two of them beside every other test made the suite a third slower.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,6 +157,54 @@ def serving(base: int, log: Path, *options: str, env: dict[str, str] | None = No
         _stop(process)
 
 
+SHARED_STACKS = ("stack", "smollm2_stack")
+_open_stacks: dict[str, ExitStack] = {}  # a shared stack's fixture name -> what stops it
+_last_users: dict[str, str] = {}  # a shared stack's fixture name -> the node id of the last test that uses it
+
+
+def _stack_group(items: list[pytest.Item]) -> int:
+    """0: the module uses no shared stack; 1: it uses `stack`; 2: `smollm2_stack` only."""
+    used = {name for item in items for name in SHARED_STACKS if name in item.fixturenames}
+    return 1 if "stack" in used else 2 if used else 0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Order the e2e modules by shared stack (module order kept within a group; other tests keep their places) and
+    note each shared stack's last test."""
+    here = Path(__file__).parent
+    slots = [i for i, item in enumerate(items) if here in item.path.parents]
+    modules: dict[Path, list[pytest.Item]] = {}
+    for i in slots:
+        modules.setdefault(items[i].path, []).append(items[i])
+    ordered = [item for module in sorted(modules.values(), key=_stack_group) for item in module]
+    for slot, item in zip(slots, ordered, strict=True):
+        items[slot] = item
+    for item in items:
+        for name in SHARED_STACKS:
+            if name in item.fixturenames:
+                _last_users[name] = item.nodeid
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    yield
+    for name, last in _last_users.items():
+        if item.nodeid == last and name in _open_stacks:
+            _open_stacks.pop(name).close()
+
+
+@contextmanager
+def shared(name: str, stack: AbstractContextManager[Stack]) -> Iterator[Stack]:
+    """`stack` entered for the session fixture `name`: stopped after its last test, or at the end of the run."""
+    with ExitStack() as stopper:
+        running = stopper.enter_context(stack)
+        _open_stacks[name] = stopper
+        try:
+            yield running
+        finally:
+            _open_stacks.pop(name, None)
+
+
 @pytest.fixture(scope="session")
 def base_port() -> int:
     """The gRPC port of this run's block; tests that start stacks of their own offset it (+20, +30, ...)."""
@@ -169,7 +222,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, base_port: int) -> Iterator[
     missing = _missing_weights()
     if missing:
         pytest.fail(f"no weights to serve: {', '.join(missing)}")
-    with serving(base_port, tmp_path_factory.mktemp("stack") / "serve.log") as running:
+    with shared("stack", serving(base_port, tmp_path_factory.mktemp("stack") / "serve.log")) as running:
         yield running
 
 
@@ -190,8 +243,8 @@ def smollm2_stack(tmp_path_factory: pytest.TempPathFactory, base_port: int) -> I
     config["applications"] = [app for app in config["applications"] if app["name"] in ("text", "http")]
     folder = tmp_path_factory.mktemp("smollm2-stack")
     (folder / "serve.yaml").write_text(yaml.safe_dump(config))
-    with serving(base_port + 40, folder / "serve.log", "--config", str(folder / "serve.yaml"),
-                 "--text-model", str(gguf)) as running:
+    with shared("smollm2_stack", serving(base_port + 40, folder / "serve.log", "--config", str(folder / "serve.yaml"),
+                                         "--text-model", str(gguf))) as running:
         yield running
 
 
