@@ -7,11 +7,13 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from genserve.services.diffusion import step_batcher
 from genserve.services.diffusion.pipeline import SCHEDULERS, DiffusionPipeline, GenerationCancelled
 from genserve.services.diffusion.step_batcher import StepBatcher
 from genserve.services.vae.model import load_vae
@@ -195,3 +197,32 @@ def test_a_request_over_the_row_budget_is_refused(pipe: DiffusionPipeline) -> No
     with pytest.raises(ValueError, match="4 U-Net rows"):
         batcher.submit(pipe.prepare(["a red circle"] * 2, steps=2))
     batcher.close()
+
+
+def test_a_progress_event_follows_the_wait_for_its_step(pipe: DiffusionPipeline, monkeypatch) -> None:
+    """On CUDA the loop waits for each U-Net call before it reports the step (issue 37, defect 9): the event says
+    when the step was done, not when its kernels were queued. The wait is recorded here, where the CPU has none."""
+    events: list[str] = []
+    monkeypatch.setattr(step_batcher, "_wait_for_device", lambda out: events.append("wait"))
+
+    def unet(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        events.append("unet")
+        return pipe.model.unet(x, *args, **kwargs)
+
+    batcher = StepBatcher(unet, max_rows=64, wait_s=0.0)
+    try:
+        batcher.submit(pipe.prepare(["a red circle"], steps=3, seed=1),
+                       lambda step, total, latents: events.append(f"step {step}")).result(timeout=60)
+    finally:
+        batcher.close()
+    assert events == ["step 0"] + [e for i in (1, 2, 3) for e in ("unet", "wait", f"step {i}")]
+
+
+def test_the_wait_synchronizes_the_stream_of_a_cuda_output_only(monkeypatch) -> None:
+    synced: list[str] = []
+    stream = SimpleNamespace(synchronize=lambda: synced.append("stream"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    step_batcher._wait_for_device(torch.zeros(1))
+    assert synced == []
+    step_batcher._wait_for_device(SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0)))
+    assert synced == ["stream"]
