@@ -15,7 +15,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 # kernels, never both. Several tests force the Triton backend on CPU tensors (test_text_runners.py, test_backend.py),
 # which only the interpreter can run, so it is on unless a run asks for compiled kernels with TRITON_INTERPRET=0:
 # bench/gpu_check.py does that for its `pytest -m gpu` row. A GPU in the machine changes nothing here
-# (tests/test_conftest_with_a_gpu.py runs the suite's interpreter-forced tests with one faked present).
+# (tests/test_interpreter_on_a_gpu_machine.py runs the suite's interpreter-forced tests with one faked present).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import numpy as np  # noqa: E402
