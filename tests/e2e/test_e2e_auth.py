@@ -19,14 +19,13 @@ from collections.abc import Iterator
 import grpc
 import openai
 import pytest
-import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from genserve.services.client import Client
 from genserve.services.client import errors as client_errors
 from genserve.services.common.auth import BAD_KEY
-from genserve.services.common.deploy_config import LOCAL_PATH
 from tests.e2e.playground import ask, chromium, page_at, wait_ready
+from tests.e2e.serve_configs import serve_config
 
 pytestmark = pytest.mark.e2e
 
@@ -46,15 +45,10 @@ def keyed(serve, base_port: int, tmp_path_factory: pytest.TempPathFactory) -> It
     folder = tmp_path_factory.mktemp("auth")
     keys = folder / "keys"
     keys.write_text(f"# e2e keys\n{PLAIN}\nsha256:{hashlib.sha256(HASHED.encode()).hexdigest()}\n")
-    config = yaml.safe_load(LOCAL_PATH.read_text())
-    config["applications"] = [app for app in config["applications"] if app["name"] in APPS]
-    for app in config["applications"]:
-        if app["name"] in LIMITS:
-            app["args"]["rate_limits"] = LIMITS[app["name"]]
-    (folder / "serve_config.yaml").write_text(yaml.safe_dump(config))
+    config = serve_config(folder, APPS, {app: {"rate_limits": limits} for app, limits in LIMITS.items()})
     env = {"GENSERVE_API_KEYS_FILE": str(keys),
            "GENSERVE_API_KEYS": f"{GAN_LIMITED},{TEXT_LIMITED},{HTTP_LIMITED},{BROWSER}"}
-    with serve(base_port + 50, folder / "serve.log", "--config", str(folder / "serve_config.yaml"), env=env) as stack:
+    with serve(base_port + 50, folder / "serve.log", "--config", str(config), env=env) as stack:
         yield stack
 
 

@@ -15,11 +15,10 @@ import grpc
 import numpy as np
 import pytest
 import torch
-import yaml
 from PIL import Image
 
 from genserve.services.client import Client, GenserveError
-from genserve.services.common.deploy_config import LOCAL_PATH
+from tests.e2e.serve_configs import serve_config
 from tests.services.diffusion.tiny_sd import build_tiny_sd
 
 pytestmark = pytest.mark.e2e
@@ -34,11 +33,9 @@ def sd_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def sd_stack(sd_folder: Path, tmp_path_factory: pytest.TempPathFactory, serve, base_port: int) -> Iterator:
     root = tmp_path_factory.mktemp("sd-stack")
-    config = yaml.safe_load(LOCAL_PATH.read_text())
-    config["applications"] = [app for app in config["applications"] if app["name"] in ("vae", "diffusion", "http")]
-    (root / "serve.yaml").write_text(yaml.safe_dump(config))
+    config = serve_config(root, ("vae", "diffusion", "http"))
     env = {"GENSERVE_DIFFUSION_MODEL": str(sd_folder)}
-    with serve(base_port + 50, root / "serve.log", "--config", str(root / "serve.yaml"), env=env) as stack:
+    with serve(base_port + 50, root / "serve.log", "--config", str(config), env=env) as stack:
         yield stack
 
 

@@ -6,21 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import yaml
 
 from genserve.services.client import Client
-from genserve.services.common.deploy_config import LOCAL_PATH
+from tests.e2e.serve_configs import serve_config
 
 KV_BUDGET = 3 * 2**20
 
 
 def _text_only_config(tmp_path: Path, **text_args: object) -> Path:
-    config = yaml.safe_load(LOCAL_PATH.read_text())
-    config["applications"] = [app for app in config["applications"] if app["name"] == "text"]
-    config["applications"][0]["args"].update(text_args)
-    path = tmp_path / "serve_config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return serve_config(tmp_path, ("text",), {"text": text_args})
 
 
 def test_dtype_and_kv_budget_from_the_serve_config_take_effect(serve, base_port: int, tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from genserve.services.client.cli import main
 from genserve.services.client.errors import InvalidArgument, Unavailable
 from genserve.services.common import tls_front
 from genserve.services.common.tls_front import Route, TlsFiles
+from tests.e2e.serve_configs import serve_config
 from tests.services.common.tls_certs import Pki, make_pki
 
 pytestmark = pytest.mark.e2e
@@ -40,7 +41,9 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 def tls_stack(serve, base_port: int, pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     env = {"GENSERVE_TLS_CERT": str(pki.server.cert), "GENSERVE_TLS_KEY": str(pki.server.key),
            "GENSERVE_TLS_CLIENT_CA": ""}
-    with serve(base_port + STACK_OFFSET, tmp_path_factory.mktemp("tls") / "serve.log", env=env) as stack:
+    folder = tmp_path_factory.mktemp("tls")
+    config = serve_config(folder, ("text", "gan", "http", "health"))
+    with serve(base_port + STACK_OFFSET, folder / "serve.log", "--config", str(config), env=env) as stack:
         yield stack
     # serve.py stopped Caddy with the stack: nothing listens on the public gRPC port any more.
     with pytest.raises(ConnectionRefusedError):
