@@ -24,17 +24,27 @@ BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32  # decode-sized row tiles: a step routes 
 
 def align(topk_ids: torch.Tensor, n_experts: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_ids (N, k) -> (pair index per padded row (R,), expert per row tile (R / block_m,)); a padding row holds
-    N k, one past the last pair."""
+    N k, one past the last pair.
+
+    R is a bound known from the shapes alone, not the padded total: reading that total back would stop the host once
+    per MoE layer per step (and rule out a CUDA graph). So no op here needs a value on the host (torch.bincount and
+    repeat_interleave would read one); the tiles past the experts' own are padding alone, and the kernels leave them
+    at their first row."""
     flat = topk_ids.reshape(-1)
+    pairs = flat.numel()
+    # sum over experts of ceil(count / block_m) <= pairs / block_m + (experts with a pair)
+    max_tiles = pairs // block_m + min(n_experts, pairs)
     order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=n_experts)
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
-    starts = torch.cumsum(padded, 0) - padded  # each expert's first padded row
-    total = int(padded.sum())
-    rows = torch.full((total,), flat.numel(), dtype=torch.int64, device=flat.device)
-    rank = torch.arange(flat.numel(), device=flat.device) - (torch.cumsum(counts, 0) - counts)[flat[order]]
+    ends = torch.cumsum(padded, 0)
+    starts = ends - padded  # each expert's first padded row
+    rows = torch.full((max_tiles * block_m,), pairs, dtype=torch.int64, device=flat.device)
+    rank = torch.arange(pairs, device=flat.device) - (torch.cumsum(counts, 0) - counts)[flat[order]]
     rows[starts[flat[order]] + rank] = order
-    experts = torch.repeat_interleave(torch.arange(n_experts, device=flat.device), padded // block_m)
+    # tile t belongs to the expert whose tiles end first after it; the padding tiles past the last get the last expert
+    tiles = torch.arange(max_tiles, device=flat.device)
+    experts = torch.searchsorted(ends // block_m, tiles, right=True).clamp_(max=n_experts - 1)
     return rows, experts
 
 
@@ -47,6 +57,8 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if tl.load(rows_ptr + pid_m * BLOCK_M) >= n_pairs:  # a tile of padding alone (align): no expert's rows
+        return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(rows_ptr + offs_m)
     row_ok = pairs < n_pairs
@@ -83,6 +95,8 @@ def _down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if tl.load(rows_ptr + pid_m * BLOCK_M) >= n_pairs:  # a tile of padding alone (align): no expert's rows
+        return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(rows_ptr + offs_m)
     row_ok = pairs < n_pairs

@@ -24,11 +24,26 @@ def _reference(x, w_gate_up, w_down, weights, ids) -> torch.Tensor:
 def test_align_pads_each_expert_to_whole_tiles() -> None:
     ids = torch.tensor([[2, 0], [2, 3], [2, 0]])  # expert 1 gets nothing
     rows, experts = align(ids, 4)
-    assert experts.tolist() == [0, 2, 3]  # one tile each for the experts that received pairs
-    assert rows.numel() == 3 * BLOCK_M
-    for tile, e in enumerate(experts.tolist()):
+    assert experts[:3].tolist() == [0, 2, 3]  # one tile each for the experts that received pairs
+    assert rows.numel() == experts.numel() * BLOCK_M
+    for tile, e in enumerate(experts[:3].tolist()):
         pairs = [p for p in rows[tile * BLOCK_M:(tile + 1) * BLOCK_M].tolist() if p < ids.numel()]
         assert sorted(pairs) == [p for p in range(ids.numel()) if ids.reshape(-1)[p] == e]
+    assert (rows[3 * BLOCK_M:] == ids.numel()).all()  # the tiles past them: padding alone
+
+
+@pytest.mark.parametrize(("n", "k", "n_experts"), [(1, 1, 1), (3, 2, 64), (64, 8, 128), (300, 2, 4)])
+def test_align_has_room_for_every_routing_without_reading_the_device(n, k, n_experts) -> None:
+    """Its sizes come from the shapes (no host read per MoE layer, issue 37, defect 8): on the meta device, whose
+    tensors hold no values, it runs; and the bound holds for a routing that pads much (one pair for every expert but
+    the first, the rest on it)."""
+    rows, experts = align(torch.zeros(n, k, dtype=torch.long, device="meta"), n_experts)
+    assert rows.device.type == "meta" and rows.numel() == experts.numel() * BLOCK_M
+    worst = torch.zeros(n * k, dtype=torch.long)
+    worst[:min(n_experts, n * k) - 1] = torch.arange(1, min(n_experts, n * k))
+    worst = worst.view(n, k)
+    real_tiles = sum(-(-int(c) // BLOCK_M) for c in torch.bincount(worst.flatten()))
+    assert real_tiles <= align(worst, n_experts)[1].numel()
 
 
 @pytest.mark.parametrize(("n", "k", "n_experts", "hidden", "inter"), [(5, 2, 4, 48, 40), (37, 3, 8, 64, 96)])
