@@ -15,6 +15,7 @@ Rows, each with our figure, the reference's, the ratio and the goal:
 - flash attention (bf16, D=128, causal, N = 2k and 4k) against the faster of torch SDPA's flash and cuDNN backends;
   goal >= 1.0x;
 - paged decode (bf16, Llama-3-8B heads, 16k context, batch 32) as a share of the measured copy bandwidth; goal >= 70%;
+- the sampler at 64 rows of Llama 3's vocabulary, every row top-p (a full sort and an fp64 draw), against greedy;
 - the text engine in bf16 against transformers on the same GPU and the same random 1.1B Llama (TinyLlama's shape),
   prefix caching off (the warm-up sends the same prompt): batch-1 decode, and 64 concurrent requests (mixed
   64-512-token prompts, 128 new tokens each, greedy) against transformers' left-padded static batch of 64; goal >= 2x
@@ -90,14 +91,15 @@ class Sizes:
     concurrent: int
     new_tokens: int
     diffusion_steps: int
+    sampler: tuple[int, int]  # rows, vocabulary
 
 
 GPU = Sizes(device="cuda", dtype=torch.bfloat16, attn_lens=(2048, 4096), attn_dim=128, attn_tokens=16384,
             attn_hidden=2048, decode=(16384, 32, 32, 8, 128), text=TEXT_GPU, prompt_lens=(64, 512), concurrent=64,
-            new_tokens=128, diffusion_steps=20)
+            new_tokens=128, diffusion_steps=20, sampler=(64, 128256))
 DRY = Sizes(device="cpu", dtype=torch.float32, attn_lens=(64,), attn_dim=16, attn_tokens=64, attn_hidden=32,
             decode=(64, 2, 4, 2, 16), text=TEXT_DRY, prompt_lens=(4, 16), concurrent=3, new_tokens=4,
-            diffusion_steps=2)
+            diffusion_steps=2, sampler=(3, 512))
 
 
 def _verdict(value: float, goal: float) -> str:
@@ -200,6 +202,30 @@ def paged_decode_rows(s: Sizes) -> list[Row]:
     share = gbps / copy
     return [Row(f"paged decode, context {ctx} x batch {batch}", f"{gbps:.4g} GB/s", f"copy {copy:.4g} GB/s",
                 f"{100 * share:.3g}%", ">= 70% of copy", _verdict(share, 0.70))]
+
+
+# ---- sampling --------------------------------------------------------------------------------------------------------
+def sampler_rows(s: Sizes) -> list[Row]:
+    """The sampler's cost per step where it is largest (issue 37, defect 8): every row nucleus-sampled, which sorts the
+    whole vocabulary (Llama 3's on the GPU) and draws by an fp64 inverse CDF, against greedy rows of the same logits
+    (one argmax). Compare it with a decode step's time: a share of a few percent leaves the sort as it is."""
+    from types import SimpleNamespace
+
+    from genserve.services.text.engine.params import SamplingParams
+    from genserve.services.text.engine.sampler import make_generator, sample_batch
+
+    n, vocab = s.sampler
+    logits = torch.randn(n, vocab, device=s.device) * 4
+
+    def rows(params: SamplingParams) -> list[SimpleNamespace]:
+        return [SimpleNamespace(params=params, generator=make_generator(i), prompt_ids=[], output_ids=[], grammar=None)
+                for i in range(n)]
+
+    nucleus, greedy = rows(SamplingParams(temperature=0.8, top_p=0.9)), rows(SamplingParams(temperature=0))
+    ours = timed(lambda: sample_batch(logits, nucleus), s.device)
+    argmax = timed(lambda: sample_batch(logits, greedy), s.device)
+    return [Row(f"sampler, {n} rows x {vocab} vocab, top-p 0.9", f"{ours:.3g} ms/step", f"greedy {argmax:.3g} ms",
+                f"{ours / argmax:.3g}x")]
 
 
 # ---- the text engine against transformers ---------------------------------------------------------------------------
@@ -313,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     started = time.perf_counter()
     rows = [] if args.skip_tests else gpu_tests(args.dry)
-    for section in (attention_rows, paged_decode_rows, text_rows, diffusion_rows):
+    for section in (attention_rows, paged_decode_rows, sampler_rows, text_rows, diffusion_rows):
         try:
             rows += section(sizes)
         except Exception as exc:  # one broken section must not hide the others' figures

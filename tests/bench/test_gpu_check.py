@@ -33,6 +33,7 @@ def test_the_device_command_dry_run_prints_every_row(tmp_path: Path) -> None:
     assert "0 passed, 0 failed" in table[0] and "0 skipped" not in table[0]
     assert any(c.startswith("flash attention") for c in checks)
     assert any(c.startswith("paged decode") for c in checks)
+    assert any(c.startswith("sampler") for c in checks)
     assert sum(c.startswith("text engine") for c in checks) == 2
     greedy = next(line for line in table if line.startswith("| greedy tokens vs HF"))
     assert greedy.split(" | ")[3] == "100%"  # fp32 on the CPU: every engine token is HF's argmax
