@@ -1,7 +1,7 @@
 """The single dispatch point between the building blocks and the compute that runs them.
 
 `get_backend(name=None)` returns a backend object; the name comes from the `GENSERVE_BACKEND` environment variable
-when not given: "auto" (default), "reference", "torch" or "triton". Every backend has the same ten methods (the
+when not given: "auto" (default), "reference", "torch" or "triton". Every backend has the same eleven methods (the
 contract in docs/architecture.md):
 
 - attend(q, k, v, *, causal, sm_scale=None, window=0, softcap=0.0, sinks=None): q (B, Hq, Nq, D), k/v (B, Hkv, Nk,
@@ -24,7 +24,9 @@ contract in docs/architecture.md):
   in one fused call, or None where the backend has no fused form for x and the block runs its own ops;
 - experts(x, block, weights, idx): a mixture-of-experts ``block``'s (shared/blocks/moe.py) routed experts for tokens
   x (N, dim) with routing weights and expert ids (N, k), in one fused call, or None where the block runs its own
-  grouped loop.
+  grouped loop;
+- lora(y, x, stack, mapping): y (N, out) += each token's adapter delta (x_i A_s^T) B_s^T, s its slot in `mapping`,
+  from the slots of a `LoraStack` (shared/blocks/lora.py), in place; returns y.
 
 "reference" is the math of the chapter "Deep Learning Building Blocks" written out, "torch" uses fused torch ops
 (SDPA), "triton" calls the kernels package, and "auto" picks triton for CUDA tensors when triton is importable and no
@@ -51,6 +53,7 @@ import torch.nn.functional as F
 from genserve.kernels.cpu_gemv import MAX_ROWS as GEMV_MAX_ROWS
 from genserve.kernels.quant_formats import dequantize
 from genserve.shared.blocks import rope as _rope
+from genserve.shared.blocks.lora import LoraMapping, LoraStack, lora_add
 from genserve.shared.blocks.masks import causal_mask, sliding_window_mask
 from genserve.shared.blocks.sdpa import scaled_dot_product_attention
 
@@ -156,6 +159,9 @@ class ReferenceBackend:
 
     def experts(self, x, block, weights, idx) -> torch.Tensor | None:
         return None  # the block's grouped loop over its experts
+
+    def lora(self, y: torch.Tensor, x: torch.Tensor, stack: LoraStack, mapping: LoraMapping) -> torch.Tensor:
+        return lora_add(y, x, stack, mapping)  # one shrink and one expand product per adapter's rows
 
 
 class TorchBackend(ReferenceBackend):
@@ -325,6 +331,11 @@ class TritonBackend:
 
         return fused_moe(x, *block.stacked(), weights, idx)
 
+    def lora(self, y: torch.Tensor, x: torch.Tensor, stack: LoraStack, mapping: LoraMapping) -> torch.Tensor:
+        from genserve.kernels import lora as lora_kernels
+
+        return lora_kernels.lora_add(y, x, stack.a, stack.b, mapping.slots, stack.ranks)
+
 
 class AutoBackend:
     """Triton for CUDA tensors when triton is importable, torch otherwise; decided per call from the first input."""
@@ -372,6 +383,9 @@ class AutoBackend:
 
     def experts(self, x, block, weights, idx) -> torch.Tensor | None:
         return self._pick(x).experts(x, block, weights, idx)
+
+    def lora(self, y: torch.Tensor, x: torch.Tensor, stack: LoraStack, mapping: LoraMapping) -> torch.Tensor:
+        return self._pick(x).lora(y, x, stack, mapping)
 
 
 Backend = ReferenceBackend | TorchBackend | TritonBackend | AutoBackend
