@@ -24,6 +24,19 @@ class EngineOverloaded(RuntimeError):
     """The waiting queue is full; the caller should retry later."""
 
 
+class AdapterNotFound(LookupError):
+    """A request or an unload names a LoRA adapter that is not loaded (NOT_FOUND, naming it)."""
+
+
+class AdapterCapacityExceeded(RuntimeError):
+    """A LoRA adapter cannot be held: every adapter in memory (``max_cpu_loras``) is in use by a queued request
+    (RESOURCE_EXHAUSTED)."""
+
+
+class InvalidAdapter(ValueError):
+    """A LoRA adapter folder is refused: outside the adapter root, corrupt, or not made for this base model."""
+
+
 class InvalidJsonSchema(ValueError):
     """``json_schema`` is not a JSON Schema the grammar engine can compile."""
 
@@ -45,7 +58,8 @@ class SamplingParams:
     """Per-request decoding options. ``temperature=0`` means greedy; ``top_k=0`` and ``top_p=1`` disable those
     filters; penalties follow the CTRL paper (repetition) and the OpenAI API (presence/frequency). ``json_schema``
     or ``regex`` or ``grammar`` (EBNF; at most one of the three) constrains the output to a grammar
-    (engine/grammar.py)."""
+    (engine/grammar.py). ``adapter``: the name of a loaded LoRA adapter to run the request with ("" for the base
+    model; services/text/engine/adapters.py)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -61,6 +75,7 @@ class SamplingParams:
     json_schema: str = ""
     regex: str = ""
     grammar: str = ""
+    adapter: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -89,6 +104,7 @@ class SamplingParams:
         _check(not (self.json_schema and self.regex), "regex", "give at most one of json_schema and regex")
         _check(isinstance(self.grammar, str) and not (self.grammar and (self.json_schema or self.regex)), "grammar",
                "must be a string, and not given with json_schema or regex")
+        _check(isinstance(self.adapter, str), "adapter", "must be a string (a loaded adapter's name, or empty)")
 
     @property
     def structured(self) -> bool:
