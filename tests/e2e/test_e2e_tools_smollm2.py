@@ -24,7 +24,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 SAMPLES = 50
-CONCURRENT = 4  # the local text app scales out past 4 in flight: a second replica on the same 2 cores is slower
+CONCURRENT = 16  # one batch (smollm2_stack holds text to one replica)
 
 
 @pytest.fixture(scope="module")
