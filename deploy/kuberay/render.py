@@ -36,6 +36,7 @@ HEALTH_PORT = 9001
 DASHBOARD_PORT = 8265
 METRICS_PORT = 8080
 WEIGHTS_CLAIM = "genserve-weights"
+TRITON_CACHE_DIR = "/var/cache/triton"  # deploy/Dockerfile's
 # A pod that stops gives its replicas the drain time (graceful_shutdown_timeout_s in the serve config) and a margin.
 TERMINATION_GRACE_S = int(DRAIN_SECONDS) + 30
 # The TLS front: the image compose uses, its config map, and the kubernetes.io/tls Secret (tls.crt, tls.key, and
@@ -74,10 +75,13 @@ def _env() -> list[dict]:
     ]
 
 
-def _weights() -> tuple[list[dict], list[dict]]:
-    """The read-only checkpoint volume, as (volumes, volumeMounts)."""
-    volumes = [{"name": "weights", "persistentVolumeClaim": {"claimName": WEIGHTS_CLAIM, "readOnly": True}}]
-    mounts = [{"name": "weights", "mountPath": "/weights", "readOnly": True}]
+def _node_volumes() -> tuple[list[dict], list[dict]]:
+    """The read-only checkpoint volume and the Triton cache, as (volumes, volumeMounts). The cache is the image's
+    TRITON_CACHE_DIR on an emptyDir: compiled kernels outlive a restart of the Ray container, not of the pod."""
+    volumes = [{"name": "weights", "persistentVolumeClaim": {"claimName": WEIGHTS_CLAIM, "readOnly": True}},
+               {"name": "triton-cache", "emptyDir": {}}]
+    mounts = [{"name": "weights", "mountPath": "/weights", "readOnly": True},
+              {"name": "triton-cache", "mountPath": TRITON_CACHE_DIR}]
     return volumes, mounts
 
 
@@ -109,7 +113,7 @@ def _tls_sidecar() -> tuple[dict, list[dict]]:
 def _head_group(tls: bool) -> dict:
     """The head keeps KubeRay's own probes: the RayService controller submits serveConfigV2 only once the head pod
     is ready, so a probe that waits for the apps (grpc.health.v1) would never let it become ready."""
-    volumes, mounts = _weights()
+    volumes, mounts = _node_volumes()
     sidecars: list[dict] = []
     if tls:
         sidecar, tls_volumes = _tls_sidecar()
@@ -148,7 +152,7 @@ def _head_group(tls: bool) -> dict:
 
 
 def _gpu_worker_group() -> dict:
-    volumes, mounts = _weights()
+    volumes, mounts = _node_volumes()
     return {
         "groupName": "gpu",
         # One GPU per pod; the autoscaler adds pods when Serve replicas cannot be placed.

@@ -131,7 +131,8 @@ def test_gpu_image_sets_the_serve_env_of_make_serve() -> None:
 
 def test_the_triton_cache_is_a_folder_the_replicas_write_and_compose_keeps(root: Path) -> None:
     """Compiled kernels outlive a container (issue 37, defect 10): the image points Triton at a folder owned by the
-    replicas' user, and docker-compose.yml mounts a named volume there on every Ray node."""
+    replicas' user, docker-compose.yml mounts a named volume there on every Ray node, and KubeRay's pods an emptyDir
+    (kept across a container restart)."""
     instructions = _instructions(DOCKERFILE.read_text())
     env: dict[str, str] = {}
     for instruction in instructions:
@@ -145,3 +146,10 @@ def test_the_triton_cache_is_a_folder_the_replicas_write_and_compose_keeps(root:
     for name in ("ray-head", "ray-worker"):
         assert f"triton-cache:{cache}" in compose["services"][name]["volumes"], name
     assert "triton-cache" in compose["volumes"]
+    for manifest in ("rayservice.yaml", "rayservice.tls.yaml"):
+        spec = yaml.safe_load((root / "deploy" / "kuberay" / manifest).read_text())["spec"]["rayClusterConfig"]
+        for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+            pod = group["template"]["spec"]
+            assert {"name": "triton-cache", "emptyDir": {}} in pod["volumes"], manifest
+            mounts = pod["containers"][0]["volumeMounts"]
+            assert {"name": "triton-cache", "mountPath": cache} in mounts, manifest
