@@ -8,6 +8,10 @@ embedding and the K/V caches are fp32 or bf16.
 ``StepKernel`` all layers plus the embedding, the final norm and the head, and reusable scratch per batch size.
 ``StepKernel.run(...)`` takes the step's token ids, positions, cache slots, block tables and context lengths and
 returns the logits: after the C call returns, the only tensor op of a step is allocating them.
+
+LoRA adapters (services/text/adapter_slots.py): a layer may hold, per projection, adapter slots A (slots, R, in),
+B (slots, out, R) with the scale folded in, and each slot's rank (slots,) int32; a step then takes each token's slot
+(-1: none) and adds its delta (x A^T) B^T right after the product it adapts, in the same parallel region.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 _MATRICES = ("wq", "wk", "wv", "wo", "wg", "wu", "wd")  # the order of the C struct's types[] and scales[]
+LORA = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # the same order, by module
 BF16_TYPE = 30  # GGML's id for bf16 rows (csrc/quant.h)
 INT8_ROWS_TYPE = 1024  # ours: int8 rows, each product times its row's scale (csrc/quant.h)
 _BLOCK = 32  # bf16 and int8 rows are read in blocks of 32 values
@@ -32,7 +37,8 @@ _BLOCK = 32  # bf16 and int8 rows are read in blocks of 32 values
 class _LayerWeights(ctypes.Structure):
     _fields_ = [(n, _P) for n in ("ln1", "wq", "wk", "wv", "bq", "bk", "bv", "wo", "ln2", "wg", "wu", "wd")] + \
                [(n, _I64) for n in ("dim", "hq", "hkv", "d", "ffn", "window")] + [("eps", _F32), ("scale", _F32)] + \
-               [("types", ctypes.c_int32 * len(_MATRICES)), ("scales", _P * len(_MATRICES)), ("qn", _P), ("kn", _P)]
+               [("types", ctypes.c_int32 * len(_MATRICES)), ("scales", _P * len(_MATRICES)), ("qn", _P), ("kn", _P)] + \
+               [(n, _P * len(_MATRICES)) for n in ("lora_a", "lora_b", "lora_ranks")]
 
 
 @dataclass(frozen=True)
@@ -101,7 +107,7 @@ class _StepInputs(ctypes.Structure):
     _fields_ = [(n, _P) for n in ("tokens", "positions", "slots", "tables", "lens", "embed", "cos", "sin", "h", "q",
                                   "k", "v", "att", "act")] + \
                [(n, _I64) for n in ("m", "block_size", "max_blocks", "vocab", "n_positions", "embed_bf16",
-                                    "cache_bf16")]
+                                    "cache_bf16")] + [("lora_slots", _P), ("lora_t", _P), ("lora_r", _I64)]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -135,11 +141,12 @@ class LayerWeights:
     """One layer's weights: RMSNorm gains ln1/ln2 (dim,) and q/k/v biases (optional) in fp32, q/k/v/o projections,
     SwiGLU gate/up (ffn, dim) and down (dim, ffn), each matrix a ``Matrix`` the kernel reads (``fused_matrix_ok``);
     ``window`` > 0 is a sliding attention window; ``q_norm``/``k_norm`` (head_dim,) fp32 gains of QK-norm (Qwen3),
-    applied per head before RoPE."""
+    applied per head before RoPE. ``lora``: projection name (``LORA``) -> its adapter slots, anything with fp32
+    ``a`` (slots, R, in), ``b`` (slots, out, R) and int32 ``ranks`` (slots,) (shared/blocks/lora.py's LoraStack)."""
 
     def __init__(self, *, ln1, wq, wk, wv, wo, ln2, wg, wu, wd, bq=None, bk=None, bv=None, n_heads: int,
                  n_kv_heads: int, head_dim: int, eps: float, scale: float, window: int = 0,
-                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None):
+                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, lora: dict | None = None):
         dim, ffn = ln1.shape[0], _out_features(wg)
         nq, nkv = n_heads * head_dim, n_kv_heads * head_dim
         shapes = dict(ln1=(dim,), wq=(nq, dim), wk=(nkv, dim), wv=(nkv, dim), wo=(dim, nq), ln2=(dim,),
@@ -153,8 +160,21 @@ class LayerWeights:
         types = (ctypes.c_int32 * len(_MATRICES))(*(typed[name][1] for name in _MATRICES))
         scales = (_P * len(_MATRICES))(*map(_ptr, self._scales))
         self._qk_norm = [_fp32(t, (head_dim,)) for t in (q_norm, k_norm)]
+        self._lora = [_lora_slots(lora.get(name), shapes[m]) if lora else (None, None, None)
+                      for name, m in zip(LORA, _MATRICES, strict=True)]
+        lora_arrays = [(_P * len(_MATRICES))(*(_ptr(s[j]) for s in self._lora)) for j in range(3)]
         self.struct = _LayerWeights(*(_ptr(t) for t in self._keep.values()), dim, n_heads, n_kv_heads, head_dim,
-                                    ffn, window, eps, scale, types, scales, *map(_ptr, self._qk_norm))
+                                    ffn, window, eps, scale, types, scales, *map(_ptr, self._qk_norm), *lora_arrays)
+
+
+def _lora_slots(stack, shape: tuple[int, int]) -> tuple[torch.Tensor | None, ...]:
+    """(A, B, ranks) of one projection's adapter slots as the kernel reads them; Nones where there are none."""
+    if stack is None:
+        return None, None, None
+    slots, rank = stack.a.shape[:2]
+    a = _fp32(stack.a, (slots, rank, shape[1]))
+    b = _fp32(stack.b, (slots, shape[0], rank))
+    return a, b, _typed(stack.ranks, torch.int32, (slots,))
 
 
 class StepKernel:
@@ -164,7 +184,8 @@ class StepKernel:
     call."""
 
     def __init__(self, layers: list[LayerWeights], *, embed: torch.Tensor, norm: torch.Tensor, eps: float,
-                 head: Matrix, n_heads: int, n_kv_heads: int, head_dim: int, ffn: int):
+                 head: Matrix, n_heads: int, n_kv_heads: int, head_dim: int, ffn: int, lora_rank: int = 0):
+        """``lora_rank``: R of the layers' adapter slots (0: none)."""
         dim = layers[0].dim
         if any(layer.dim != dim for layer in layers):
             raise ValueError("decode step: every layer must have the same width")
@@ -172,6 +193,7 @@ class StepKernel:
         self._embed, self._norm = _fp32_or_bf16(embed, (embed.shape[0], dim)), _fp32(norm, (dim,))
         self._head, self._head_type, self._head_scales = _matrix(head, (_out_features(head), dim))
         self._eps = eps
+        self._lora_rank = lora_rank
         self._widths = (dim, dim, n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim,
                         n_heads * head_dim, ffn)  # x, h, q, k, v, att, act
         # per batch size M, reused by every step of that size: the struct and the scratch tensors it points at
@@ -198,41 +220,50 @@ class StepKernel:
         once; the caller sets the per-step fields."""
         if m not in self._steps:
             scratch = [torch.empty(m, n) for n in self._widths]
+            scratch.append(torch.empty(len(_MATRICES), m, self._lora_rank))  # each adapted product's x A^T
             step = _StepInputs(embed=self._embed.data_ptr(), vocab=self._embed.shape[0], m=m,
-                               embed_bf16=int(self._embed.dtype == torch.bfloat16),
-                               **{name: t.data_ptr() for name, t in zip(("h", "q", "k", "v", "att", "act"), scratch[1:],
-                                                                        strict=True)})
+                               embed_bf16=int(self._embed.dtype == torch.bfloat16), lora_t=scratch[-1].data_ptr(),
+                               lora_r=self._lora_rank,
+                               **{name: t.data_ptr() for name, t in zip(("h", "q", "k", "v", "att", "act"),
+                                                                        scratch[1:-1], strict=True)})
             self._steps[m] = step, scratch
         return self._steps[m]
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
             lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_caches: list[torch.Tensor],
-            v_caches: list[torch.Tensor]) -> torch.Tensor:
+            v_caches: list[torch.Tensor], lora: torch.Tensor | None = None) -> torch.Tensor:
         """tokens, positions, slots (M,) int64; tables (M, max_blocks) and lens (M,) int32 (context length including
         the token) -> logits (M, vocab). Each token's k/v go into the caches (num_blocks, block_size, Hkv, D) at
-        its slot. ValueError for a token id or position outside the embedding or RoPE tables."""
-        logits, _ = self._call(None, tokens, positions, slots, tables, lens, cos, sin, k_caches, v_caches)
+        its slot. ``lora``: each token's adapter slot (M,) int32, -1 for none (None: no adapter in the step).
+        ValueError for a token id or position outside the embedding or RoPE tables."""
+        logits, _ = self._call(None, tokens, positions, slots, tables, lens, cos, sin, k_caches, v_caches, lora)
         return logits
 
     def greedy(self, steps: int, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                tables: torch.Tensor, lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:
+               k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], lora: torch.Tensor | None = None
+               ) -> torch.Tensor:
         """``steps`` greedy decode steps in one call, each row's argmax fed back at its next position: the tokens
         (M, steps) int64. Arguments as for ``run``, for the first step; ``tables`` must already hold the blocks of
         every position up to positions + steps - 1 (ValueError otherwise, before anything is computed)."""
         if steps < 1:
             raise ValueError(f"decode step: steps must be >= 1, got {steps}")
-        _, out = self._call(steps, tokens, positions, slots, tables, lens, cos, sin, k_caches, v_caches)
+        _, out = self._call(steps, tokens, positions, slots, tables, lens, cos, sin, k_caches, v_caches, lora)
         return out
 
-    def _call(self, steps: int | None, tokens, positions, slots, tables, lens, cos, sin, k_caches, v_caches
+    def _call(self, steps: int | None, tokens, positions, slots, tables, lens, cos, sin, k_caches, v_caches, lora
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         m = tokens.shape[0]
         ints = [*(_typed(t, torch.int64, (m,)) for t in (tokens, positions, slots)),
                 _typed(tables, torch.int32, (m, tables.shape[-1])), _typed(lens, torch.int32, (m,))]
+        if lora is not None:
+            if not self._lora_rank:
+                raise ValueError("decode step: adapter slots given to a kernel built without LoRA (lora_rank 0)")
+            lora = _typed(lora, torch.int32, (m,))  # kept alive until the call returns
         cos, sin = _fp32(cos, (cos.shape[0], cos.shape[-1])), _fp32(sin, tuple(cos.shape))
         step, (x, *_) = self._step_inputs(m)
         step.tokens, step.positions, step.slots, step.tables, step.lens = (t.data_ptr() for t in ints)
+        step.lora_slots = _ptr(lora)
         step.cos, step.sin, step.n_positions = cos.data_ptr(), sin.data_ptr(), cos.shape[0]
         step.block_size, step.max_blocks = k_caches[0].shape[1], tables.shape[-1]
         keys, values = self._cache_arrays(k_caches, v_caches)

@@ -12,7 +12,13 @@
  * Q8_0/Q4_0/Q4_1 blocks, bf16 rows, or int8 rows with per-row scales, widened in registers inside the product
  * (quant.h), so the step streams the stored bytes. The embedding may be bf16 and the paged K/V caches bf16 (a bf16
  * model's): rows are widened on read and keys/values rounded to nearest-even on write, as torch's .to() rounds.
- * RoPE is the rotate-half layout, cos/sin tables of (D/2) rows indexed by position. */
+ * RoPE is the rotate-half layout, cos/sin tables of (D/2) rows indexed by position.
+ *
+ * LoRA (Hu et al. 2021) for many adapters in one step, Punica's BGMV (Chen et al. 2023): a projection may carry
+ * adapter slots, A (slots, R, in) and B (slots, out, R) with the scale folded into B, and each slot's rank; token i
+ * uses slot lora_slots[i] (-1: none). Before a phase of adapted products, one more parallel phase shrinks each
+ * token's input, t_i = x_i A^T (at most R values per product); the product's own loop then adds B_j . t_i to output
+ * feature j beside the base weight's row, so the adapter rows stay inside the same region and phases. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -37,6 +43,8 @@ typedef struct {
     int32_t types[7];
     const float *scales[7];
     const float *qn, *kn;
+    const float *lora_a[7], *lora_b[7]; /* per projection, adapter slots (NULL: none), as in the header comment */
+    const int32_t *lora_ranks[7];
 } LayerWeights;
 
 enum { TQ, TK, TV, TO, TG, TU, TD };
@@ -44,7 +52,8 @@ enum { TQ, TK, TV, TO, TG, TU, TD };
 /* What one step shares across layers: per token its id, position, flat cache slot, block table row and context
  * length (incl. the token); the embedding (vocab, dim; fp32, or bf16 when embed_bf16) and the RoPE tables
  * (n_positions, D/2), read at each token's id and position; scratch h (M, dim), q/att (M, Hq*D), k/v (M, Hkv*D),
- * act (M, ffn); cache_bf16 when the K/V caches hold bf16. */
+ * act (M, ffn); cache_bf16 when the K/V caches hold bf16. LoRA: lora_slots (M,) each token's adapter slot or -1
+ * (NULL: no adapter row in the step), lora_t scratch (7, M, lora_r) for every projection's shrunk input. */
 typedef struct {
     const int64_t *tokens, *positions, *slots;
     const int32_t *tables, *lens;
@@ -52,6 +61,9 @@ typedef struct {
     const float *cos, *sin;
     float *h, *q, *k, *v, *att, *act;
     int64_t m, block_size, max_blocks, vocab, n_positions, embed_bf16, cache_bf16;
+    const int32_t *lora_slots;
+    float *lora_t;
+    int64_t lora_r;
 } StepInputs;
 
 static inline float dot(const float *a, const float *b, int64_t n) {
@@ -106,6 +118,38 @@ static inline void rows_dot_add(const void *w, int type, const float *scale, int
     }
 }
 
+/* The shrink of the adapted products `which` (n of them, sharing the input x (M, k)): t[w][i][c] = A_{slot_i}[c] .
+ * x_i for c below the slot's rank, 0 past it and for tokens without an adapter; one worksharing loop over every
+ * (product, token, column), so call it from all threads of the region, and only when S->lora_slots is set. */
+static void lora_shrink(const LayerWeights *W, const StepInputs *S, const int *which, int n, const float *x,
+                        int64_t k) {
+    const int64_t m = S->m, r_max = S->lora_r;
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < n * m * r_max; p++) {
+        const int w = which[p / (m * r_max)];
+        const int64_t i = p / r_max % m, c = p % r_max;
+        const int32_t slot = S->lora_slots[i];
+        float *t = S->lora_t + (w * m + i) * r_max + c;
+        *t = slot >= 0 && W->lora_a[w] && c < W->lora_ranks[w][slot]
+                 ? dot(W->lora_a[w] + ((int64_t)slot * r_max + c) * k, x + i * k, k)
+                 : 0.f;
+    }
+}
+
+/* out[(i - i0) * ostride] += B_{slot_i}[j] . t_i for the tokens i0..i0+n-1 with an adapter: output feature j (of
+ * n_out) of adapted product w, after lora_shrink. */
+static inline void lora_expand(const LayerWeights *W, const StepInputs *S, int w, int64_t j, int64_t n_out,
+                               int64_t i0, int64_t n, float *out, int64_t ostride) {
+    if (!S->lora_slots || !W->lora_b[w]) return;
+    const int64_t r_max = S->lora_r;
+    for (int64_t i = i0; i < i0 + n; i++) {
+        const int32_t slot = S->lora_slots[i];
+        if (slot < 0 || !W->lora_ranks[w][slot]) continue;
+        out[(i - i0) * ostride] += dot(W->lora_b[w] + ((int64_t)slot * n_out + j) * r_max,
+                                       S->lora_t + (w * S->m + i) * r_max, W->lora_ranks[w][slot]);
+    }
+}
+
 static void rms_norm_rows(const float *x, const float *w, float *out, int64_t m, int64_t dim, float eps) {
     for (int64_t i = 0; i < m; i++) {
         const float inv = 1.f / sqrtf(dot(x + i * dim, x + i * dim, dim) / (float)dim + eps);
@@ -156,8 +200,10 @@ static void attend(const LayerWeights *W, const StepInputs *S, const void *k_cac
 static void layer(const LayerWeights *W, const StepInputs *S, void *k_cache, void *v_cache, float *x,
                   float *scores) {
     const int64_t m = S->m, dim = W->dim, d = W->d, nq = W->hq * d, nkv = W->hkv * d, ffn = W->ffn;
+    static const int QKV[] = {TQ, TK, TV}, O[] = {TO}, GU[] = {TG, TU}, D[] = {TD};
 #pragma omp single
     rms_norm_rows(x, W->ln1, S->h, m, dim, W->eps);
+    if (S->lora_slots) lora_shrink(W, S, QKV, 3, S->h, dim);
     /* q, k, v: one loop over the concatenated output features, so the threads share the load evenly */
 #pragma omp for schedule(dynamic, ROWS_PER_CHUNK)
     for (int64_t j = 0; j < nq + 2 * nkv; j++) {
@@ -170,6 +216,7 @@ static void layer(const LayerWeights *W, const StepInputs *S, void *k_cache, voi
         else if (j >= nq) { w = W->wk; b = W->bk; which = TK; out = S->k; jj = j - nq; width = nkv; }
         for (int64_t i = 0; i < m; i++) out[i * width + jj] = b ? b[jj] : 0.f;
         rows_dot_add(w, W->types[which], W->scales[which], jj, dim, S->h, m, out + jj, width);
+        lora_expand(W, S, which, jj, width, 0, m, out + jj, width);
     }
     /* RoPE on every query and key head; a rotated key head goes straight into the cache with its value head */
 #pragma omp for schedule(static)
@@ -192,10 +239,15 @@ static void layer(const LayerWeights *W, const StepInputs *S, void *k_cache, voi
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < m * W->hq; p++)
         attend(W, S, k_cache, v_cache, p / W->hq, p % W->hq, scores + d, scores);
+    if (S->lora_slots) lora_shrink(W, S, O, 1, S->att, nq);
 #pragma omp for schedule(dynamic, ROWS_PER_CHUNK)
-    for (int64_t j = 0; j < dim; j++) rows_dot_add(W->wo, W->types[TO], W->scales[TO], j, nq, S->att, m, x + j, dim);
+    for (int64_t j = 0; j < dim; j++) {
+        rows_dot_add(W->wo, W->types[TO], W->scales[TO], j, nq, S->att, m, x + j, dim);
+        lora_expand(W, S, TO, j, dim, 0, m, x + j, dim);
+    }
 #pragma omp single
     rms_norm_rows(x, W->ln2, S->h, m, dim, W->eps);
+    if (S->lora_slots) lora_shrink(W, S, GU, 2, S->h, dim);
 #pragma omp for schedule(dynamic, ROWS_PER_CHUNK)
     for (int64_t j = 0; j < ffn; j++)
         for (int64_t i0 = 0; i0 < m; i0 += TILE) {
@@ -203,10 +255,16 @@ static void layer(const LayerWeights *W, const StepInputs *S, void *k_cache, voi
             float gate[TILE], up[TILE];
             rows_dot(W->wg, W->types[TG], W->scales[TG], j, dim, S->h + i0 * dim, dim, n, gate, 1);
             rows_dot(W->wu, W->types[TU], W->scales[TU], j, dim, S->h + i0 * dim, dim, n, up, 1);
+            lora_expand(W, S, TG, j, ffn, i0, n, gate, 1);
+            lora_expand(W, S, TU, j, ffn, i0, n, up, 1);
             for (int64_t i = 0; i < n; i++) S->act[(i0 + i) * ffn + j] = gate[i] / (1.f + expf(-gate[i])) * up[i];
         }
+    if (S->lora_slots) lora_shrink(W, S, D, 1, S->act, ffn);
 #pragma omp for schedule(dynamic, ROWS_PER_CHUNK)
-    for (int64_t j = 0; j < dim; j++) rows_dot_add(W->wd, W->types[TD], W->scales[TD], j, ffn, S->act, m, x + j, dim);
+    for (int64_t j = 0; j < dim; j++) {
+        rows_dot_add(W->wd, W->types[TD], W->scales[TD], j, ffn, S->act, m, x + j, dim);
+        lora_expand(W, S, TD, j, dim, 0, m, x + j, dim);
+    }
 }
 
 static int64_t longest_context(const StepInputs *S) {

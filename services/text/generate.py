@@ -1,10 +1,12 @@
 """``genserve generate``: run the text engine in-process (no Ray) on one prompt, or one chat question.
 
-    genserve generate [--model-dir PATH] [--chat] [--max-tokens N --temperature T --seed S --json] "PROMPT"
+    genserve generate [--model-dir PATH] [--lora ADAPTER_DIR] [--chat] [--max-tokens N --temperature T --seed S
+                      --json] "PROMPT"
 
 Also runnable as ``python -m genserve.services.text.generate``. Without ``--model-dir``: $GENSERVE_TEXT_MODEL, else the
 default model once fetched (services/text/default_model.py), else the committed demo model. ``--chat`` sends the
-prompt as a user message through the model's chat template and prints only the answer.
+prompt as a user message through the model's chat template and prints only the answer. ``--lora`` runs the request
+with the PEFT LoRA adapter in that folder (services/text/lora.py).
 """
 
 from __future__ import annotations
@@ -12,10 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from genserve.services.text import default_model
+from genserve.services.text.engine.adapters import LoraConfig
 from genserve.services.text.engine.async_engine import AsyncLLMEngine
-from genserve.services.text.engine.params import PromptTooLong, SamplingParams
+from genserve.services.text.engine.engine import EngineConfig
+from genserve.services.text.engine.params import InvalidAdapter, PromptTooLong, SamplingParams
 from genserve.services.text.tokenizer import NoChatTemplate
 
 
@@ -34,16 +39,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "int8"), default="float32",
                         help="int8: int8 weight-only linear layers (fastest CPU decoding)")
     parser.add_argument("--json", action="store_true", help='print {"text", "token_ids", "finish_reason"}')
+    parser.add_argument("--lora", default=None, help="a PEFT LoRA adapter folder (adapter_config.json + "
+                        "adapter_model.safetensors) to run the prompt with")
+    parser.add_argument("--max-lora-rank", type=int, default=64, help="the largest adapter rank --lora accepts")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+                                top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
+                                adapter="lora" if args.lora else "")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    engine = AsyncLLMEngine.from_dir(default_model.resolve(args.model_dir), dtype=args.dtype).engine
+    config = None
+    if args.lora:  # one adapter, its own folder's parent as the root
+        folder = Path(args.lora).resolve()
+        config = EngineConfig(lora=LoraConfig(root=str(folder.parent), max_loras=1, max_cpu_loras=1,
+                                              max_lora_rank=args.max_lora_rank, adapters=(("lora", folder.name),)))
+    try:
+        engine = AsyncLLMEngine.from_dir(default_model.resolve(args.model_dir), dtype=args.dtype, config=config).engine
+    except InvalidAdapter as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     tokenizer = engine.tokenizer
     try:
         if args.chat:

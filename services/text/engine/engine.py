@@ -4,6 +4,10 @@
 thread frees blocks at once), then detokenises and checks the finish conditions of every sequence that produced a
 token. The engine only schedules: the runner (services/text/runners, chosen once at start-up) owns the weights,
 the KV-cache tensors, the forward pass and sampling, and the engine never learns which device or kernel ran.
+
+LoRA adapters (``EngineConfig.lora``): ``load_adapter``/``unload_adapter`` by name (engine/adapters.py), a request
+names one in ``SamplingParams.adapter``, and each step puts the adapters of its rows into the runner's slots
+(``_place_adapters``) and hands the runner every token's slot, so one batch mixes adapters and the base model.
 """
 
 from __future__ import annotations
@@ -15,11 +19,19 @@ from dataclasses import dataclass
 
 import torch
 
+from genserve.services.text.engine.adapters import AdapterRegistry, LoraConfig
 from genserve.services.text.engine.batch import build_batch
 from genserve.services.text.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from genserve.services.text.engine.grammar import Grammar, GrammarCompiler
 from genserve.services.text.engine.kv_cache import BlockManager, block_bytes
-from genserve.services.text.engine.params import Delta, EngineOverloaded, PromptTooLong, SamplingParams, TokenLogprob
+from genserve.services.text.engine.params import (
+    AdapterNotFound,
+    Delta,
+    EngineOverloaded,
+    PromptTooLong,
+    SamplingParams,
+    TokenLogprob,
+)
 from genserve.services.text.engine.runner import ModelRunner
 from genserve.services.text.engine.sampler import make_generator, sample_batch
 from genserve.services.text.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
@@ -49,6 +61,8 @@ class EngineConfig:
     prefix_caching: bool = True
     # Exact speculative decoding with n-gram drafts (engine/speculative.py); None: off.
     speculative: SpeculativeConfig | None = None
+    # LoRA adapters (engine/adapters.py); None: none may be loaded, and the model runs without the LoRA hooks.
+    lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_batched_tokens", "max_running", "max_waiting", "max_lookahead"):
@@ -78,7 +92,7 @@ class LLMEngine:
             from genserve.services.text.runners import make_runner
 
             runner = make_runner(model, max_lookahead=config.max_lookahead, max_running=config.max_running,
-                                 cuda_graphs=config.cuda_graphs)
+                                 cuda_graphs=config.cuda_graphs, lora=config.lora)
         self.runner = runner
         self.model = runner.model
         self.tokenizer = tokenizer
@@ -96,7 +110,17 @@ class LLMEngine:
         runner.allocate_kv_cache(num_blocks, config.block_size)
         self.blocks = BlockManager(num_blocks, config.block_size, caching=config.prefix_caching)
         self.scheduler = Scheduler(self.blocks, SchedulerConfig(
-            config.max_batched_tokens, config.max_running, config.max_waiting))
+            config.max_batched_tokens, config.max_running, config.max_waiting,
+            config.lora.max_loras if config.lora is not None else 0))
+        self.registry: AdapterRegistry | None = None
+        self._adapter_lock = threading.Lock()  # the registry's; never held while taking self.lock
+        if config.lora is not None:
+            from genserve.services.text.adapter_slots import adaptable_projections
+
+            self.registry = AdapterRegistry(config.lora, {k: (m.in_features, m.out_features)
+                                                          for k, m in adaptable_projections(self.model).items()})
+            for name, folder in config.lora.adapters:
+                self.registry.load(name, folder)
         self.eos_ids = frozenset(mc.eos_token_ids) | frozenset(getattr(tokenizer, "eos_token_ids", ()))
         self.grammars = GrammarCompiler(tokenizer, mc.vocab_size, self.eos_ids)
         self._seqs: dict[str, Sequence] = {}
@@ -106,14 +130,70 @@ class LLMEngine:
         self.spec_proposed = [0] * k  # drafts scored at each draft position since start-up
         self.spec_accepted = [0] * k  # ... and accepted
 
+    # ---- LoRA adapters --------------------------------------------------------------------------------------
+    def load_adapter(self, name: str, path: str) -> None:
+        """Load the PEFT adapter in folder ``path`` (under the configured root) as ``name``; InvalidAdapter (outside
+        the root, corrupt, or made for another base model), AdapterCapacityExceeded."""
+        if self.registry is None:
+            raise AdapterNotFound("this engine serves no LoRA adapters (no lora config)")
+        with self._adapter_lock:
+            self.registry.load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget adapter ``name``: new requests naming it get AdapterNotFound, queued ones finish with it."""
+        if self.registry is None:
+            raise AdapterNotFound(f"adapter {name!r} is not loaded")
+        with self._adapter_lock:
+            self.registry.unload(name)
+
+    def adapters(self) -> list[str]:
+        """The names of the loaded adapters."""
+        if self.registry is None:
+            return []
+        with self._adapter_lock:
+            return self.registry.names()
+
+    def _acquire_adapter(self, name: str):
+        if not name:
+            return None
+        if self.registry is None:
+            raise AdapterNotFound(f"adapter {name!r} is not loaded (this engine serves no LoRA adapters)")
+        with self._adapter_lock:
+            return self.registry.acquire(name)
+
+    def _release_adapter(self, seq: Sequence) -> None:
+        if seq.adapter is not None and self.registry is not None:
+            with self._adapter_lock:
+                self.registry.release(seq.adapter)
+
+    def _place_adapters(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
+        """Put the adapters of this step's rows into the runner's slots (a slot whose adapter no running sequence
+        uses is reused; the scheduler keeps the running adapters within the slots) and return every token's slot
+        (N,) int32, -1 for the base model, in ``build_batch``'s order; None for a step without adapters."""
+        slots = self.runner.adapters
+        if slots is None or all(c.seq.adapter is None for c in chunks):
+            return None
+        running = {id(s.adapter) for s in self.scheduler.running if s.adapter is not None}
+        per_token: list[int] = []
+        for c in chunks:
+            adapter, slot = c.seq.adapter, -1
+            if adapter is not None:
+                slot = next((i for i, held in enumerate(slots.held) if held is adapter), -1)
+                if slot < 0:
+                    slot = next(i for i, held in enumerate(slots.held) if held is None or id(held) not in running)
+                    slots.write(slot, adapter)
+            per_token.extend([slot] * (c.length + len(c.draft)))
+        return torch.tensor(per_token, dtype=torch.int32)
+
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     on_delta: Callable[[Delta], None], *, interactive: bool = False,
                     grammar: Grammar | None = None) -> None:
-        """Queue a request; raises PromptTooLong, EngineOverloaded, InvalidJsonSchema, InvalidRegex, or ValueError
-        (empty prompt, duplicate id). ``interactive``: a consumer that shows tokens as they come (a live stream) gets
-        every token the moment it exists, never in lookahead bursts (see ``_lookahead``). A structured request's
-        grammar is compiled here, in the caller's thread, unless ``grammar`` is ``grammars.compile(params)``'s."""
+        """Queue a request; raises PromptTooLong, EngineOverloaded, InvalidJsonSchema, InvalidRegex, AdapterNotFound,
+        AdapterCapacityExceeded, or ValueError (empty prompt, duplicate id). ``interactive``: a consumer that shows
+        tokens as they come (a live stream) gets every token the moment it exists, never in lookahead bursts (see
+        ``_lookahead``). A structured request's grammar is compiled here, in the caller's thread, unless ``grammar``
+        is ``grammars.compile(params)``'s."""
         if not prompt_ids:
             raise ValueError("prompt must hold at least one token")
         vocab = self.model.config.vocab_size
@@ -127,19 +207,24 @@ class LLMEngine:
                                 f"({self.scheduler.capacity_tokens} tokens)")
         if grammar is None:
             grammar = self.grammars.compile(params)
+        adapter = self._acquire_adapter(params.adapter)
         seq = Sequence(
             request_id=request_id, prompt_ids=list(prompt_ids), params=params,
             generator=make_generator(params.seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer.decode, prompt_ids),
             stopper=StopChecker(params.stop), on_delta=on_delta, arrival=next(self._arrivals), interactive=interactive,
-            grammar=grammar)
-        with self.lock:
-            if request_id in self._seqs:
-                raise ValueError(f"request_id {request_id!r} is already running")
-            if len(self.scheduler.waiting) >= self.config.max_waiting:
-                raise EngineOverloaded(f"waiting queue is full ({self.config.max_waiting} requests)")
-            self._seqs[request_id] = seq
-            self.scheduler.add(seq)
+            grammar=grammar, adapter=adapter)
+        try:
+            with self.lock:
+                if request_id in self._seqs:
+                    raise ValueError(f"request_id {request_id!r} is already running")
+                if len(self.scheduler.waiting) >= self.config.max_waiting:
+                    raise EngineOverloaded(f"waiting queue is full ({self.config.max_waiting} requests)")
+                self._seqs[request_id] = seq
+                self.scheduler.add(seq)
+        except (ValueError, EngineOverloaded):
+            self._release_adapter(seq)
+            raise
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request and return its blocks to the free list now; False when it is unknown or finished."""
@@ -181,6 +266,7 @@ class LLMEngine:
             "prefix_caching": self.blocks.caching,
             "prefix_cache_hit_tokens": self.scheduler.hit_tokens,
             "speculative": self.config.speculative.method if self.config.speculative is not None else "off",
+            "lora_adapters": self.adapters(),
         }
 
     def speculation_stats(self) -> dict:
@@ -211,16 +297,17 @@ class LLMEngine:
                 speculating = any(c.draft for c in chunks)
                 steps = 1 if speculating else self._lookahead(chunks)
                 batch, chunks = build_batch(chunks, self.blocks)
+                lora = self._place_adapters(chunks)
         for seq in overflowed:
             seq.on_delta(Delta(seq.stopper.take(final=True), (), "context_length"))
         if not chunks:
             return 0
         if speculating:
-            return self._verify_step(batch, chunks)
+            return self._verify_step(batch, chunks, lora)
         if steps > 1:
-            return self._greedy_steps(batch, chunks, steps)
+            return self._greedy_steps(batch, chunks, steps, lora)
         # Each sampled row's request carries its own options and seeded generator (Sequence is a SampleRow).
-        sampled = iter(self.runner.execute(batch, [c.seq for c in chunks if c.sample]))
+        sampled = iter(self.runner.execute(batch, [c.seq for c in chunks if c.sample], lora=lora))
         deltas: list[tuple[Sequence, Delta]] = []
         with self.lock:
             for c in chunks:
@@ -264,13 +351,13 @@ class LLMEngine:
             out.append(ScheduledChunk(seq, c.start, 1, tuple(draft)))
         return out
 
-    def _verify_step(self, batch: PagedBatch, chunks: list[ScheduledChunk]) -> int:
+    def _verify_step(self, batch: PagedBatch, chunks: list[ScheduledChunk], lora: torch.Tensor | None) -> int:
         """One step with speculative drafts: score every sampled position (``runner.execute_logits``: a draft chunk
         is k + 1 decode rows, engine/batch.py), sample the chunks without a draft as
         ``sample_batch`` does, verify each draft (Leviathan et al. 2023; Chen et al. 2023), then, per sequence: keep
         the K/V of its accepted tokens, give the blocks past them back, and emit the accepted drafts and the
         corrected or bonus token one by one, up to the one that finishes it (EOS, a stop string, ``max_tokens``)."""
-        logits = self.runner.execute_logits(batch)  # (S, V): one row per sampled position
+        logits = self.runner.execute_logits(batch, lora=lora)  # (S, V): one row per sampled position
         row = 0
         spans: list[tuple[int, int]] = []
         for c in chunks:
@@ -340,10 +427,11 @@ class LLMEngine:
             return 1
         return steps
 
-    def _greedy_steps(self, batch: PagedBatch, chunks: list[ScheduledChunk], steps: int) -> int:
+    def _greedy_steps(self, batch: PagedBatch, chunks: list[ScheduledChunk], steps: int,
+                      lora: torch.Tensor | None) -> int:
         """Run ``steps`` greedy decode steps in one runner call and hand each sequence its tokens in order, as
         ``steps`` ordinary steps would, up to the one that finishes it."""
-        rows = self.runner.execute_greedy(batch, steps)  # (M, steps) token ids
+        rows = self.runner.execute_greedy(batch, steps, lora=lora)  # (M, steps) token ids
         deltas: list[tuple[Sequence, Delta]] = []
         with self.lock:
             for c, tokens in zip(chunks, rows, strict=True):
@@ -382,6 +470,7 @@ class LLMEngine:
         seq.finish_reason = reason
         self.scheduler.remove(seq)
         self._seqs.pop(seq.request_id, None)
+        self._release_adapter(seq)
 
     # ---- offline --------------------------------------------------------------------------------------------
     def generate_batch(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]

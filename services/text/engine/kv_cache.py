@@ -7,9 +7,11 @@ Layout (docs/architecture.md, shared with ``kernels/paged_attention.py``): ``k_c
 
 Prefix caching: once every token of a block has its K/V computed, the block is registered under a hash chained over
 the tokens of the sequence up to and including it (``h_i = H(h_{i-1}, tokens of block i)``), so equal hashes mean
-equal prefixes. A new sequence starts from the longest run of registered blocks matching its leading tokens, shared
-by reference count, and computes only the rest. A block nobody references keeps its K/V and its hash on an LRU list;
-it is evicted (its hash forgotten) only when a fresh block is needed and the plain free list is empty.
+equal prefixes; a sequence run with a LoRA adapter starts its chain from the adapter's fingerprint instead of
+the empty string, since the same tokens give other K/V under another adapter. A new sequence starts from the longest
+run of registered blocks matching its leading tokens, shared by reference count, and computes only the rest. A block
+nobody references keeps its K/V and its hash on an LRU list; it is evicted (its hash forgotten) only when a fresh
+block is needed and the plain free list is empty.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class BlockManager:
         self._cached: dict[bytes, int] = {}  # hash -> cached block
         self._hashes: dict[str, list[bytes]] = {}  # per sequence: hashes of its leading full blocks
         self._registered: dict[str, int] = {}  # per sequence: how many of its leading blocks are cached
+        self._roots: dict[str, bytes] = {}  # per sequence: what its chain starts from (its adapter's fingerprint)
         self.tables: dict[str, list[int]] = {}
 
     @property
@@ -104,15 +107,18 @@ class BlockManager:
         for i in range(len(hashes), n_blocks):
             start, end = i * bs, (i + 1) * bs
             tokens = prompt[start:end] if end <= n else prompt[start:] + output[max(0, start - n):end - n]
-            hashes.append(block_hash(hashes[-1] if hashes else b"", tokens))
+            hashes.append(block_hash(hashes[-1] if hashes else self._roots.get(seq_id, b""), tokens))
         return hashes[:n_blocks]
 
-    def match_prefix(self, seq_id: str, prompt: list[int], output: list[int]) -> int:
+    def match_prefix(self, seq_id: str, prompt: list[int], output: list[int], salt: bytes = b"") -> int:
         """Start ``seq_id``'s (empty) table with the longest run of cached blocks that hold the leading tokens of
         ``prompt + output``; the number of tokens whose K/V it thereby has. At least one token is always left to
-        compute: its logits are what the next step samples from."""
+        compute: its logits are what the next step samples from. ``salt`` starts the sequence's hash chain (its
+        LoRA adapter's fingerprint): only blocks computed with the same salt match."""
         if self.tables.get(seq_id):
             raise ValueError(f"{seq_id!r} already holds blocks")
+        if salt:
+            self._roots[seq_id] = salt
         table: list[int] = []
         if self.caching:
             for h in self._chain(seq_id, prompt, output, (len(prompt) + len(output) - 1) // self.block_size):
@@ -175,5 +181,6 @@ class BlockManager:
         table = self.tables.pop(seq_id, [])
         self._hashes.pop(seq_id, None)
         self._registered.pop(seq_id, None)
+        self._roots.pop(seq_id, None)
         self._release(table)
         return len(table)

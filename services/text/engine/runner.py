@@ -3,7 +3,9 @@
 The engine schedules: it decides which tokens of which requests run this step, owns the block tables and checks
 every finish condition. A runner computes: it owns the weights, the KV-cache tensors, the forward pass and
 sampling, on one kind of device. The engine never learns which device or kernel ran; it hands a runner a
-``PagedBatch`` plus the sampled rows' requests and gets token ids (and the logprobs asked for) back.
+``PagedBatch`` plus the sampled rows' requests and gets token ids (and the logprobs asked for) back. With LoRA
+adapters, ``lora`` gives every token's adapter slot (N,) int32 (-1: the base model; None: no adapter in the step),
+the slots holding what the engine wrote into ``adapters`` (services/text/adapter_slots.py).
 
 Runners: ``services/text/runners/cpu.py`` (fused C decode step, greedy lookahead) and ``runners/cuda.py`` (torch +
 Triton through the backend, sampling on the device, CUDA graphs); ``services/text/runners.make_runner`` picks one
@@ -16,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from genserve.services.text.adapter_slots import AdapterSlots
 from genserve.services.text.engine.params import TokenLogprob
 from genserve.services.text.engine.sampler import SampleRow
 from genserve.services.text.model import LlamaForCausalLM
@@ -28,6 +31,7 @@ class ModelRunner(Protocol):
     model: LlamaForCausalLM
     device: torch.device
     kv_dtype: torch.dtype  # what the K/V cache holds; the engine sizes its blocks by it
+    adapters: AdapterSlots | None  # the LoRA slots; None when the engine serves no adapters
 
     def kv_cache_budget(self, kv_cache_bytes: int, kv_cache_fraction: float, min_bytes: int) -> int:
         """Bytes for the KV cache: ``kv_cache_bytes`` when > 0, else ``kv_cache_fraction`` of the device's total
@@ -44,16 +48,17 @@ class ModelRunner(Protocol):
         ``n_tokens`` tokens; 1 when the runner has no multi-step path."""
         ...
 
-    def execute(self, batch: PagedBatch, rows: list[SampleRow]) -> list[tuple[int, TokenLogprob | None]]:
+    def execute(self, batch: PagedBatch, rows: list[SampleRow], *, lora: torch.Tensor | None = None
+                ) -> list[tuple[int, TokenLogprob | None]]:
         """Run ``batch`` (writing its K/V into the cache) and sample one token per row of ``batch.logits_index``;
         ``rows[i]`` is the request behind logits row i."""
         ...
 
-    def execute_logits(self, batch: PagedBatch) -> torch.Tensor:
+    def execute_logits(self, batch: PagedBatch, *, lora: torch.Tensor | None = None) -> torch.Tensor:
         """Run ``batch`` (writing its K/V into the cache) through the model's plain forward pass and return the
         next-token logits (S, V) of ``batch.logits_index``, on the runner's device (the speculative verify pass)."""
         ...
 
-    def execute_greedy(self, batch: PagedBatch, steps: int) -> list[list[int]]:
+    def execute_greedy(self, batch: PagedBatch, steps: int, *, lora: torch.Tensor | None = None) -> list[list[int]]:
         """``steps`` greedy tokens for every token of a decode-only batch whose block tables already cover them."""
         ...

@@ -9,6 +9,9 @@ blocks and goes back to the front of the queue; its prompt and generated tokens 
 With prefix caching (kv_cache.py), a sequence admitted from the queue (first or after a preemption) starts from the
 cached blocks that hold its leading tokens and only schedules the rest; ``hit_tokens`` / ``queried_tokens`` count
 them. Blocks are registered in the cache by the engine once the step that fills them has run.
+
+With LoRA adapters, the running sequences use at most ``max_loras`` distinct adapters (the runner's slots): a
+waiting request whose adapter would be one too many stays queued while later ones that fit are admitted.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class SchedulerConfig:
     max_batched_tokens: int  # tokens computed per step (decode slots + prefill chunks)
     max_running: int
     max_waiting: int
+    max_loras: int = 0  # distinct LoRA adapters among the running sequences; 0: no adapters
 
     def __post_init__(self) -> None:
         for name in ("max_batched_tokens", "max_running", "max_waiting"):
@@ -129,12 +133,15 @@ class Scheduler:
                 budget -= 1
         for seq in [s for s in self.running if s.in_prefill]:
             budget -= self._prefill_chunk(seq, budget, chunks)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_running:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_running:
+                break
+            if not self._adapter_fits(seq):
+                continue
             used = self._prefill_chunk(seq, budget, chunks)
             if used == 0:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.running.append(seq)
             self.hit_tokens += seq.num_computed
             self.queried_tokens += seq.num_tokens
@@ -152,13 +159,21 @@ class Scheduler:
             self.overflowed = overflowed + self.overflowed
         return chunks
 
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Whether running ``seq`` keeps the running sequences within ``max_loras`` distinct adapters."""
+        if seq.adapter is None:
+            return True
+        running = {id(s.adapter) for s in self.running if s.adapter is not None}
+        return id(seq.adapter) in running or len(running) < self.config.max_loras
+
     def _prefill_chunk(self, seq: Sequence, budget: int, chunks: list[ScheduledChunk]) -> int:
         """Schedule as much of ``seq``'s uncomputed tokens as the budget and free blocks allow; tokens used. A
         sequence without blocks first takes the cached blocks of its prefix, and gives them back when nothing of
         it can be scheduled (a waiting sequence holds no blocks)."""
         admitting = seq.request_id not in self.blocks.tables
         if admitting:
-            seq.num_computed = self.blocks.match_prefix(seq.request_id, seq.prompt_ids, seq.output_ids)
+            seq.num_computed = self.blocks.match_prefix(seq.request_id, seq.prompt_ids, seq.output_ids,
+                                                        seq.cache_salt)
         bs = self.blocks.block_size
         have = len(self.blocks.tables[seq.request_id]) * bs
         room = have - seq.num_computed + self.blocks.num_free * bs

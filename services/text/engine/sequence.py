@@ -11,6 +11,7 @@ import torch
 from genserve.services.text.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from genserve.services.text.engine.grammar import Grammar
 from genserve.services.text.engine.params import Delta, SamplingParams
+from genserve.services.text.lora import LoraAdapter
 
 
 @dataclass(eq=False)
@@ -32,6 +33,8 @@ class Sequence:
     # left to run without a draft.
     spec_misses: int = 0
     spec_skip: int = 0
+    adapter: LoraAdapter | None = None  # the LoRA adapter it runs with, held until it finishes
+    lora_slot: int = -1  # the runner's slot holding that adapter this step (engine._place_adapters)
 
     @property
     def tokens(self) -> list[int]:
@@ -40,6 +43,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def cache_salt(self) -> bytes:
+        """What its prefix-cache chain starts from: the adapter's fingerprint, or nothing for the base model."""
+        return self.adapter.fingerprint if self.adapter is not None else b""
 
     @property
     def finished(self) -> bool:

@@ -12,6 +12,9 @@ RoPE, a biased LM head, or no C compiler) keeps ``forward_paged``. For fp32 mode
 ``forward_paged`` does; for bf16 and int8 ones it keeps fp32 activations where the torch path rounds them to bf16
 (closer to the fp32 model, not bit-equal to the torch path). The runner first moves the weights into huge pages
 (runners/huge_pages.py).
+
+LoRA adapters keep the fused step: it reads the adapter slots (adapter_slots.py, fp32 whatever the model's dtype)
+and adds each row's delta inside the step, right after the product it adapts (csrc/decode_step.c).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from torch import nn
 
 from genserve.kernels import _cpu_library, cpu_decode_step
+from genserve.services.text.adapter_slots import AdapterSlots
 from genserve.services.text.engine.params import TokenLogprob
 from genserve.services.text.engine.sampler import SampleRow, sample_batch
 from genserve.services.text.model import LlamaForCausalLM
@@ -60,11 +64,11 @@ class FusedDecodeStep:
     """The whole decode step of ``model`` in one kernel call: the runner packs the model's weights into the kernel's
     per-layer structs once (pointers into the model's own tensors, no copies)."""
 
-    def __init__(self, model: LlamaForCausalLM):
+    def __init__(self, model: LlamaForCausalLM, adapters: AdapterSlots | None = None):
         self.model = model
         cfg = model.config
         layers = []
-        for layer in model.model.layers:
+        for i, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             layers.append(cpu_decode_step.LayerWeights(
                 ln1=_fp32(layer.input_layernorm.weight), ln2=_fp32(layer.post_attention_layernorm.weight),
@@ -74,11 +78,13 @@ class FusedDecodeStep:
                 n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, eps=cfg.norm_eps,
                 scale=attn.sm_scale, window=layer.window,
                 q_norm=None if attn.q_norm is None else _fp32(attn.q_norm.weight),
-                k_norm=None if attn.k_norm is None else _fp32(attn.k_norm.weight)))
+                k_norm=None if attn.k_norm is None else _fp32(attn.k_norm.weight),
+                lora=None if adapters is None else {name: adapters.stacks[(i, name)] for name in cpu_decode_step.LORA
+                                                    if (i, name) in adapters.stacks}))
         self.kernel = cpu_decode_step.StepKernel(
             layers, embed=model.model.embed_tokens.weight.detach(), norm=_fp32(model.model.norm.weight),
             eps=model.model.norm.eps, head=_weight(model.lm_head), n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
-            head_dim=cfg.head_dim, ffn=cfg.ffn_hidden)
+            head_dim=cfg.head_dim, ffn=cfg.ffn_hidden, lora_rank=0 if adapters is None else adapters.max_rank)
         self.cos, self.sin = (t.float().contiguous() for t in model.rope.tables())  # bf16 in a bf16 model
 
     @staticmethod
@@ -103,24 +109,25 @@ class FusedDecodeStep:
                 return False
         return True
 
-    def __call__(self, batch: PagedBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
-                 ) -> torch.Tensor:
-        """Next-token logits (S, V) for a batch of decode tokens only (``batch.prefills`` empty)."""
+    def __call__(self, batch: PagedBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                 lora: torch.Tensor | None = None) -> torch.Tensor:
+        """Next-token logits (S, V) for a batch of decode tokens only (``batch.prefills`` empty); ``lora``: each
+        token's adapter slot, or None."""
         if batch.prefills:
             raise ValueError("the fused decode step runs decode-only batches; prefill chunks go through forward_paged")
         logits = self.kernel.run(batch.input_ids, batch.positions, batch.slots, batch.decode_tables, batch.decode_lens,
-                                 self.cos, self.sin, k_caches, v_caches)  # (M, V): every decode token samples
+                                 self.cos, self.sin, k_caches, v_caches, lora)  # (M, V): every decode token samples
         return logits if logits.shape[0] == batch.logits_index.numel() else logits[batch.logits_index]
 
-    def greedy(self, batch: PagedBatch, steps: int, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
-               ) -> list[list[int]]:
+    def greedy(self, batch: PagedBatch, steps: int, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+               lora: torch.Tensor | None = None) -> list[list[int]]:
         """``steps`` greedy tokens for every decode token of a decode-only batch, in one kernel call: each row's
         argmax is fed back at its next position. The batch's block tables must already cover ``steps`` positions
         from each token's."""
         if batch.prefills:
             raise ValueError("the fused decode step runs decode-only batches; prefill chunks go through forward_paged")
         return self.kernel.greedy(steps, batch.input_ids, batch.positions, batch.slots, batch.decode_tables,
-                                  batch.decode_lens, self.cos, self.sin, k_caches, v_caches).tolist()
+                                  batch.decode_lens, self.cos, self.sin, k_caches, v_caches, lora).tolist()
 
 
 def _llama_shaped(cfg) -> bool:
@@ -145,15 +152,18 @@ def _memory_available() -> int:
 class CpuRunner:
     name = "cpu"
 
-    def __init__(self, model: LlamaForCausalLM, *, max_lookahead: int = 8, fused: bool = True):
+    def __init__(self, model: LlamaForCausalLM, *, max_lookahead: int = 8, fused: bool = True,
+                 lora_slots: tuple[int, int] = (0, 0)):
+        """``lora_slots``: (adapter slots, their largest rank); (0, 0) for none."""
         self.model = model.eval()
         self.device = torch.device("cpu")
         # The cache holds what the embedding holds: fp32, or bf16 (rounded to nearest-even on write) for bf16 models.
         self.kv_dtype = model.model.embed_tokens.weight.dtype
         self.max_lookahead = max_lookahead
         self.arena = move_to_huge_pages(self.model)  # first: the fused step below keeps pointers into the weights
+        self.adapters = AdapterSlots(model, *lora_slots, torch.float32) if lora_slots[0] else None
         # The fused C step where it applies and the kernels built; the model's per-layer forward otherwise.
-        self.fused = FusedDecodeStep(model) if fused and FusedDecodeStep.applies(model) and \
+        self.fused = FusedDecodeStep(model, self.adapters) if fused and FusedDecodeStep.applies(model) and \
             cpu_decode_step.available() else None
         self.cpu_kernels = _cpu_library.status().available  # per-op kernels behind the backend, or the fused step
         self.k_caches: list[torch.Tensor] = []
@@ -177,20 +187,21 @@ class CpuRunner:
     def max_steps(self, n_tokens: int) -> int:
         return self.max_lookahead if self.fused is not None and n_tokens <= FUSED_MAX_TOKENS else 1
 
-    def execute(self, batch: PagedBatch, rows: list[SampleRow]) -> list[tuple[int, TokenLogprob | None]]:
-        fused = self.fused is not None and not batch.prefills and batch.n_decode <= FUSED_MAX_TOKENS
-        forward = self.fused if fused else self.model.forward_paged
-        logits = forward(batch, self.k_caches, self.v_caches)  # (S, V)
-        return sample_batch(logits, rows)
+    def execute(self, batch: PagedBatch, rows: list[SampleRow], *, lora: torch.Tensor | None = None
+                ) -> list[tuple[int, TokenLogprob | None]]:
+        return sample_batch(self.execute_logits(batch, lora=lora), rows)
 
-    def execute_logits(self, batch: PagedBatch) -> torch.Tensor:
-        # A speculative verify step: k + 1 decode rows per drafted sequence (engine/batch.py), on the fused step
-        # where it applies, like ``execute``.
-        fused = self.fused is not None and not batch.prefills and batch.n_decode <= FUSED_MAX_TOKENS
-        forward = self.fused if fused else self.model.forward_paged
-        return forward(batch, self.k_caches, self.v_caches)  # (S, V)
+    def execute_logits(self, batch: PagedBatch, *, lora: torch.Tensor | None = None) -> torch.Tensor:
+        # Also a speculative verify step: k + 1 decode rows per drafted sequence (engine/batch.py), on the fused step
+        # where it applies.
+        if self.fused is not None and not batch.prefills and batch.n_decode <= FUSED_MAX_TOKENS:
+            return self.fused(batch, self.k_caches, self.v_caches, lora)  # (S, V)
+        if lora is None:
+            return self.model.forward_paged(batch, self.k_caches, self.v_caches)
+        with self.adapters.applied(lora):
+            return self.model.forward_paged(batch, self.k_caches, self.v_caches)
 
-    def execute_greedy(self, batch: PagedBatch, steps: int) -> list[list[int]]:
+    def execute_greedy(self, batch: PagedBatch, steps: int, *, lora: torch.Tensor | None = None) -> list[list[int]]:
         if self.fused is None:
             raise RuntimeError("this model has no fused decode step: max_steps() is 1")
-        return self.fused.greedy(batch, steps, self.k_caches, self.v_caches)
+        return self.fused.greedy(batch, steps, self.k_caches, self.v_caches, lora)

@@ -10,7 +10,8 @@ buffers.
 CUDA graphs: a decode step launches a few kernels per layer for a handful of tokens, so at small batch sizes the
 launches, not the GPU, set the pace. One graph is captured per padded batch size (``GRAPH_BATCH_SIZES`` up to
 ``max_running``); a decode batch copies its tokens into the static buffers of the next size up, and the rows past
-its own attend to one private sink slot of the cache, so they neither read nor write anyone's keys.
+its own attend to one private sink slot of the cache, so they neither read nor write anyone's keys. A decode step
+with LoRA adapter rows runs eagerly (the Triton LoRA kernels, kernels/lora.py), outside the graphs.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 
 import torch
 
+from genserve.services.text.adapter_slots import AdapterSlots
 from genserve.services.text.engine.params import TokenLogprob
 from genserve.services.text.engine.sampler import SampleRow, sample_batch
 from genserve.services.text.model import LlamaForCausalLM
@@ -108,7 +110,9 @@ class CudaRunner:
     name = "cuda"
     cpu_kernels = False  # never built here: a CUDA replica must not compile CPU kernels at start-up
 
-    def __init__(self, model: LlamaForCausalLM, *, max_running: int = 64, cuda_graphs: bool = True):
+    def __init__(self, model: LlamaForCausalLM, *, max_running: int = 64, cuda_graphs: bool = True,
+                 lora_slots: tuple[int, int] = (0, 0)):
+        """``lora_slots``: (adapter slots, their largest rank); (0, 0) for none."""
         self.model = model.eval()
         self.device = model.model.embed_tokens.weight.device
         self.kv_dtype = model.model.embed_tokens.weight.dtype  # the model's compute dtype (bf16 on GPUs)
@@ -121,6 +125,7 @@ class CudaRunner:
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
+        self.adapters = AdapterSlots(model, *lora_slots, self.kv_dtype) if lora_slots[0] else None
 
     def kv_cache_budget(self, kv_cache_bytes: int, kv_cache_fraction: float, min_bytes: int) -> int:
         """A fixed budget: ``kv_cache_fraction`` of the GPU's total memory, not of what is free when this replica
@@ -164,20 +169,24 @@ class CudaRunner:
     def max_steps(self, n_tokens: int) -> int:
         return 1
 
-    def execute(self, batch: PagedBatch, rows: list[SampleRow]) -> list[tuple[int, TokenLogprob | None]]:
-        if not batch.prefills and self.graphs is not None and batch.n_decode <= self.graphs.max_batch:
+    def execute(self, batch: PagedBatch, rows: list[SampleRow], *, lora: torch.Tensor | None = None
+                ) -> list[tuple[int, TokenLogprob | None]]:
+        if lora is None and not batch.prefills and self.graphs is not None and batch.n_decode <= self.graphs.max_batch:
             batch = batch.to(self.device)  # the step's one host-to-device copy (PagedBatch.to)
             logits = self.graphs.run(batch)
             if batch.logits_index.numel() != batch.n_decode:
                 # A one-token prefill chunk that does not sample sits among the decode rows: keep the sampled rows.
                 logits = logits[batch.logits_index]
         else:
-            logits = self.model.forward_paged(batch, self.k_caches, self.v_caches)
+            logits = self.execute_logits(batch, lora=lora)
         return sample_batch(logits, rows)
 
-    def execute_logits(self, batch: PagedBatch) -> torch.Tensor:
+    def execute_logits(self, batch: PagedBatch, *, lora: torch.Tensor | None = None) -> torch.Tensor:
         # A speculative verify step (k + 1 decode rows per drafted sequence, engine/batch.py) through forward_paged.
-        return self.model.forward_paged(batch, self.k_caches, self.v_caches)
+        if lora is None:
+            return self.model.forward_paged(batch, self.k_caches, self.v_caches)
+        with self.adapters.applied(lora):
+            return self.model.forward_paged(batch, self.k_caches, self.v_caches)
 
-    def execute_greedy(self, batch: PagedBatch, steps: int) -> list[list[int]]:
+    def execute_greedy(self, batch: PagedBatch, steps: int, *, lora: torch.Tensor | None = None) -> list[list[int]]:
         raise RuntimeError("the CUDA runner takes one step per call: max_steps() is 1")

@@ -71,9 +71,9 @@ def test_bf16_engine_decodes_through_the_fused_step_within_bf16_rounding_of_the_
     engine = _engine(load_model(checkpoint, "bfloat16"))
     fused, diffs = engine.runner.fused, []
 
-    def both(batch, k_caches, v_caches):
+    def both(batch, k_caches, v_caches, lora=None):
         reference = engine.model.forward_paged(batch, k_caches, v_caches).float()
-        out = fused(batch, k_caches, v_caches)  # rewrites the same K/V slots
+        out = fused(batch, k_caches, v_caches, lora)  # rewrites the same K/V slots
         diffs.append(float((out - reference).abs().max() / reference.abs().max()))
         return out
 
@@ -97,9 +97,9 @@ def test_int8_rows_decode_as_their_dequantized_fp32_weights(checkpoint, cpu_kern
             module.weight = torch.nn.Parameter(q.scales.float()[:, None] * q.weight.float(), requires_grad=False)
     fused, diffs = engine.runner.fused, []
 
-    def both(batch, k_caches, v_caches):
+    def both(batch, k_caches, v_caches, lora=None):
         expected = reference.forward_paged(batch, k_caches, v_caches)
-        out = fused(batch, k_caches, v_caches)
+        out = fused(batch, k_caches, v_caches, lora)
         diffs.append(float((out - expected).abs().max()))
         return out
 

@@ -163,7 +163,8 @@ def test_greedy_generation_matches_transformers_alone_and_in_a_batch(checkpoint,
     text = bytes(prompt).decode("ascii")
     assert byte_tokenizer().encode(text) == prompt
     args = argparse.Namespace(prompt=text, model_dir=str(directory), chat=False, max_tokens=NEW_TOKENS,
-                              temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=[], dtype="float32", json=True)
+                              temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=[], dtype="float32", json=True,
+                              lora=None, max_lora_rank=64)
     assert generate.run(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["token_ids"] == expected and out["finish_reason"] == "length"

@@ -115,7 +115,7 @@ def _count_lookahead_calls(engine: LLMEngine) -> list[int]:
     assert engine.runner.fused is not None, "the CPU runner should have its fused step for this fp32 Llama"
     calls: list[int] = []
     greedy = engine.runner.fused.greedy
-    engine.runner.fused.greedy = lambda batch, steps, k, v: calls.append(steps) or greedy(batch, steps, k, v)
+    engine.runner.fused.greedy = lambda batch, steps, *caches: calls.append(steps) or greedy(batch, steps, *caches)
     return calls
 
 

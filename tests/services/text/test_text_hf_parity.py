@@ -78,9 +78,9 @@ def fused_step_differences(directory, prompts: list[list[int]]) -> list[float]:
     assert fused is not None
     diffs: list[float] = []
 
-    def both(batch, k_caches, v_caches):
+    def both(batch, k_caches, v_caches, lora=None):
         reference = engine.model.forward_paged(batch, k_caches, v_caches)
-        out = fused(batch, k_caches, v_caches)  # rewrites the same K/V slots
+        out = fused(batch, k_caches, v_caches, lora)  # rewrites the same K/V slots
         diffs.append(float((out - reference).abs().max()))
         return out
 

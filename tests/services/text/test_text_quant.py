@@ -51,9 +51,9 @@ def test_fused_decode_step_with_quantised_weights_matches_forward_paged(director
     assert fused is not None and isinstance(engine.model.lm_head, QuantLinear)
     diffs: list[float] = []
 
-    def both(batch, k_caches, v_caches):
+    def both(batch, k_caches, v_caches, lora=None):
         reference = engine.model.forward_paged(batch, k_caches, v_caches)
-        out = fused(batch, k_caches, v_caches)
+        out = fused(batch, k_caches, v_caches, lora)
         diffs.append(float((out - reference).abs().max()))
         return out
 

@@ -184,13 +184,13 @@ class CountingFused:
     def __init__(self, inner):
         self.inner, self.rows, self.steps = inner, [], []
 
-    def __call__(self, batch, k_caches, v_caches):
+    def __call__(self, batch, k_caches, v_caches, lora=None):
         self.rows.append(batch.n_decode)
-        return self.inner(batch, k_caches, v_caches)
+        return self.inner(batch, k_caches, v_caches, lora)
 
-    def greedy(self, batch, steps, k_caches, v_caches):
+    def greedy(self, batch, steps, k_caches, v_caches, lora=None):
         self.steps.append(steps)
-        return self.inner.greedy(batch, steps, k_caches, v_caches)
+        return self.inner.greedy(batch, steps, k_caches, v_caches, lora)
 
 
 def test_the_fused_step_scores_the_drafts_and_keeps_its_lookahead(cpu_kernels, model):
