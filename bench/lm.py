@@ -25,6 +25,10 @@ without n-gram speculation (engine/speculative.py) side by side, greedy: an inpu
 a ~400-token passage of this repository's code), open-ended chat at batch 1, and 16 concurrent chats; it prints
 tokens/s, the ratio and the acceptance rate.
 
+With ``--lora`` (issue 33) the random Llama serves 16 concurrent requests (b) spread over 4 random PEFT adapters (rank
+16 on all of q, k, v, o, gate, up and down; 4 requests each) against the same 16 on the base model, in the same
+engine, interleaved repeats; it prints total tokens/s and the ratio (goal: >= 0.7x the base on CPU).
+
 With ``--model`` the weights are a GGUF file's: transformers loads it dequantised to fp32 (``gguf_file=``), the
 engines load it through genserve.services.text.loader in fp32, bf16 and int8, and with its Q8_0/Q4_0/Q4_1 projections
 kept in the file's own blocks (QuantLinear, ``keep_quantized=True``). When llama-cpp-python is importable, llama.cpp
@@ -46,6 +50,7 @@ from pathlib import Path
 import torch
 
 from genserve.services.text import default_model
+from genserve.services.text.engine.adapters import LoraConfig
 from genserve.services.text.engine.engine import EngineConfig, LLMEngine
 from genserve.services.text.engine.params import SamplingParams
 from genserve.services.text.engine.speculative import SpeculativeConfig
@@ -165,7 +170,9 @@ def mixed_requests(vocab: int) -> tuple[list[list[int]], list[int]]:
     return [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in lens], budgets
 
 
-def engine_concurrent(engine: LLMEngine, prompts: list[list[int]], budgets: list[int]) -> tuple[float, list[float]]:
+def engine_concurrent(engine: LLMEngine, prompts: list[list[int]], budgets: list[int],
+                      adapters: list[str] | None = None) -> tuple[float, list[float]]:
+    """Total generated tokens/s and each request's time to first token; ``adapters``: each request's LoRA adapter."""
     first: dict[int, float] = {}
     counts = [0] * len(prompts)
     t0 = now()
@@ -173,7 +180,8 @@ def engine_concurrent(engine: LLMEngine, prompts: list[list[int]], budgets: list
         def on_delta(d, i=i):
             first.setdefault(i, now())
             counts[i] += len(d.token_ids)
-        engine.add_request(f"b{i}-{t0}", p, SamplingParams(max_tokens=m, temperature=0), on_delta)
+        adapter = adapters[i] if adapters else ""
+        engine.add_request(f"b{i}-{t0}", p, SamplingParams(max_tokens=m, temperature=0, adapter=adapter), on_delta)
     while engine.has_work():
         engine.step()
     total = now() - t0
@@ -550,6 +558,50 @@ def bench_arch(args: argparse.Namespace) -> int:
     return 0
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def bench_lora(args: argparse.Namespace) -> int:
+    """(b) with 16 requests over 4 rank-16 adapters against the same 16 on the base model (module docstring)."""
+    from peft import LoraConfig as PeftConfig
+    from peft import get_peft_model
+
+    cfg = SMALL if args.small else FULL
+    names = [f"lora{i}" for i in range(4)]
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = hf_checkpoint(cfg, Path(tmp) / "base")
+        for i, name in enumerate(names):
+            peft_model = get_peft_model(hf, PeftConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS))
+            with torch.no_grad():
+                for pname, p in peft_model.named_parameters():
+                    if "lora_" in pname:
+                        p.copy_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
+            peft_model.save_pretrained(Path(tmp) / name)
+            hf = peft_model.unload()
+        engine = LLMEngine(load_model(Path(tmp) / "base", "float32"), NullTokenizer(), EngineConfig(
+            block_size=16, max_batched_tokens=512, max_lookahead=args.max_lookahead, prefix_caching=False,
+            lora=LoraConfig(root=tmp, max_loras=4, max_lora_rank=16, adapters=tuple((n, n) for n in names))))
+    prompts, budgets = mixed_requests(cfg["vocab_size"])
+    if args.small:  # a smoke test: short prompts and budgets
+        prompts, budgets = [p[:48] for p in prompts], [min(b, 24) for b in budgets]
+    spread = [names[i % len(names)] for i in range(len(prompts))]
+    tps: dict[str, list[float]] = {"base model": [], "4 adapters": []}
+    for _ in range(args.repeats):  # interleaved: the machine's speed drifts between runs
+        tps["base model"].append(engine_concurrent(engine, prompts, budgets)[0])
+        tps["4 adapters"].append(engine_concurrent(engine, prompts, budgets, spread)[0])
+    print(f"config: {cfg}, fp32, 4 PEFT adapters of rank 16 on {', '.join(LORA_TARGETS)}; {len(prompts)} concurrent "
+          f"requests ({sum(budgets)} tokens), {args.threads} threads, {args.repeats} repeats, {args.clock} clock, "
+          f"engine max_lookahead {args.max_lookahead}, runner {engine.settings()['runner']} "
+          f"(fused step: {getattr(engine.runner, 'fused', None) is not None})")
+    print(f"{'system':<12} {'16 concurrent tok/s, median (min-max)':<40} ratio")
+    base = stats(tps["base model"])[0]
+    for name, xs in tps.items():
+        print(f"{name:<12} {fmt(xs):<40} {stats(xs)[0] / base:.2f}x")
+    print(f"goal (issue 33): 4 adapters >= 0.7x the base model: "
+          f"{'met' if stats(tps['4 adapters'])[0] >= 0.7 * base else 'not met'}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -566,9 +618,13 @@ def main() -> int:
     parser.add_argument("--speculative", choices=("ngram",), help="SmolLM2 Q4_1 with and without n-gram "
                                                                    "speculative decoding (module docstring)")
     parser.add_argument("--num-speculative-tokens", type=int, default=SpeculativeConfig.num_tokens)
+    parser.add_argument("--lora", action="store_true", help="16 requests over 4 LoRA adapters against 16 on the "
+                                                            "base model (module docstring)")
     args = parser.parse_args()
     _clock[0] = _CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
+    if args.lora:
+        return bench_lora(args)
     if args.speculative:
         return bench_speculative(args)
     if args.model:
