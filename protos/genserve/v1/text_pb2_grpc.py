@@ -26,7 +26,7 @@ if _version_not_supported:
 
 
 class TextGenerationStub:
-    """Completions and chat (unary and streamed), tokenization and model facts.
+    """Completions and chat (unary and streamed), tokenization and model facts; LoRA adapters loaded at run time.
     """
 
     def __init__(self, channel):
@@ -55,10 +55,20 @@ class TextGenerationStub:
                 request_serializer=genserve_dot_v1_dot_text__pb2.ModelInfoRequest.SerializeToString,
                 response_deserializer=genserve_dot_v1_dot_text__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/genserve.v1.TextGeneration/LoadAdapter',
+                request_serializer=genserve_dot_v1_dot_text__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=genserve_dot_v1_dot_text__pb2.AdaptersResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/genserve.v1.TextGeneration/UnloadAdapter',
+                request_serializer=genserve_dot_v1_dot_text__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=genserve_dot_v1_dot_text__pb2.AdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServicer:
-    """Completions and chat (unary and streamed), tokenization and model facts.
+    """Completions and chat (unary and streamed), tokenization and model facts; LoRA adapters loaded at run time.
     """
 
     def Generate(self, request, context):
@@ -80,6 +90,18 @@ class TextGenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetModelInfo(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -108,6 +130,16 @@ def add_TextGenerationServicer_to_server(servicer, server):
                     request_deserializer=genserve_dot_v1_dot_text__pb2.ModelInfoRequest.FromString,
                     response_serializer=genserve_dot_v1_dot_text__pb2.ModelInfo.SerializeToString,
             ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=genserve_dot_v1_dot_text__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=genserve_dot_v1_dot_text__pb2.AdaptersResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=genserve_dot_v1_dot_text__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=genserve_dot_v1_dot_text__pb2.AdaptersResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'genserve.v1.TextGeneration', rpc_method_handlers)
@@ -117,7 +149,7 @@ def add_TextGenerationServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class TextGeneration:
-    """Completions and chat (unary and streamed), tokenization and model facts.
+    """Completions and chat (unary and streamed), tokenization and model facts; LoRA adapters loaded at run time.
     """
 
     @staticmethod
@@ -218,6 +250,60 @@ class TextGeneration:
             '/genserve.v1.TextGeneration/GetModelInfo',
             genserve_dot_v1_dot_text__pb2.ModelInfoRequest.SerializeToString,
             genserve_dot_v1_dot_text__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/genserve.v1.TextGeneration/LoadAdapter',
+            genserve_dot_v1_dot_text__pb2.LoadAdapterRequest.SerializeToString,
+            genserve_dot_v1_dot_text__pb2.AdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/genserve.v1.TextGeneration/UnloadAdapter',
+            genserve_dot_v1_dot_text__pb2.UnloadAdapterRequest.SerializeToString,
+            genserve_dot_v1_dot_text__pb2.AdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
