@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 NEW = 12
+SETTINGS = {"kv_cache_bytes": 256 * 2**10, "max_running": 7}  # 256 KiB: two full contexts of this tiny model
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,8 @@ def deepseek(tmp_path_factory):
 @pytest.fixture(scope="module")
 def deepseek_stack(deepseek, serve, base_port, tmp_path_factory):
     folder = tmp_path_factory.mktemp("deepseek-stack")
-    config = serve_config(folder, ("text", "http"))
+    # Engine settings from the config's args reach the replica too (GetModelInfo below); float32 keeps the parity.
+    config = serve_config(folder, ("text", "http"), {"text": {"dtype": "float32", **SETTINGS}})
     with serve(base_port + 60, folder / "serve.log", "--config", str(config),
                "--text-model", str(deepseek[1])) as running:
         yield running
@@ -55,7 +57,10 @@ def test_grpc_and_openai_answers_are_the_transformers_continuation(deepseek, dee
     hf, folder = deepseek
     prompt = "MLA caches a latent"
     with Client(deepseek_stack.address, timeout=120) as client:
-        assert client.model_info().model_name == folder.name
+        info = client.model_info()
+        assert info.model_name == folder.name and info.dtype == "float32" and info.max_running == 7
+        per_block = info.kv_cache_bytes // info.kv_blocks_total
+        assert info.kv_cache_bytes <= SETTINGS["kv_cache_bytes"] < info.kv_cache_bytes + per_block
         ids = list(client.tokenize(prompt).token_ids)
         expected = _hf_greedy(hf, ids)
         reply = client.generate(prompt, max_tokens=NEW, temperature=0)

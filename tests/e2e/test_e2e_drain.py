@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from genserve.services.client import Client
 from genserve.services.client.errors import GenserveError
 from genserve.v1 import text_pb2, text_pb2_grpc
+from tests.e2e.serve_configs import serve_config
 
 pytestmark = pytest.mark.e2e
 
@@ -33,6 +34,8 @@ STREAMS = 8
 # The grammar holds the demo model to about 190 tokens, no early EOS: ~11 s for all 8 at once on 2 busy cores.
 SHORT = r"(the cat sat on the mat\. ){10}"
 TEXT, HEALTH = (("application", "text"),), (("application", "health"),)
+# The text service's health (the empty name covers all four model apps, and this stack deploys text and gan only).
+TEXT_HEALTH = health_pb2.HealthCheckRequest(service="genserve.v1.TextGeneration")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 EXIT_TIMEOUT_S = 90.0
@@ -42,8 +45,9 @@ KILL_LOOP_S = 20.0
 @pytest.fixture(scope="module")
 def own(serve: Callable[..., AbstractContextManager], base_port: int,
         tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    log = tmp_path_factory.mktemp("drain") / "serve.log"
-    with serve(base_port + 20, log, "--drain-seconds", str(DRAIN_S)) as stack:
+    folder = tmp_path_factory.mktemp("drain")
+    config = serve_config(folder, ("text", "gan", "http", "health"))  # the apps these tests call
+    with serve(base_port + 20, folder / "serve.log", "--config", str(config), "--drain-seconds", str(DRAIN_S)) as stack:
         yield stack
 
 
@@ -149,9 +153,8 @@ async def drain_scenario(stack: Any) -> dict:
     async with (grpc.aio.insecure_channel(stack.address, options=options) as channel,
                 grpc.aio.insecure_channel(stack.health_address, options=options) as health_channel):
         text = text_pb2_grpc.TextGenerationStub(channel)
-        port_watch = health_pb2_grpc.HealthStub(health_channel).Watch(health_pb2.HealthCheckRequest(), timeout=300)
-        app_watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), metadata=HEALTH,
-                                                              timeout=300)
+        port_watch = health_pb2_grpc.HealthStub(health_channel).Watch(TEXT_HEALTH, timeout=300)
+        app_watch = health_pb2_grpc.HealthStub(channel).Watch(TEXT_HEALTH, metadata=HEALTH, timeout=300)
         seen["watch_before"] = [(await port_watch.read()).status, (await app_watch.read()).status]
 
         started = [asyncio.Event() for _ in range(STREAMS)]
@@ -171,7 +174,7 @@ async def drain_scenario(stack: Any) -> dict:
         seen["watch_after"] = [(await port_watch.read()).status, (await app_watch.read()).status]
         seen["watch_after_s"] = time.monotonic() - sigterm
         seen["refused"] = await until_refused(text, within_s=5)
-        check = health_pb2_grpc.HealthStub(health_channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        check = health_pb2_grpc.HealthStub(health_channel).Check(TEXT_HEALTH, timeout=10)
         seen["check"] = (await check).status
         seen["http"] = await asyncio.to_thread(http_status, stack.http_url + "/models")
 

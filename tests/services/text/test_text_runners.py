@@ -92,16 +92,17 @@ def test_triton_runner_samples_what_the_cpu_runner_samples(checkpoint) -> None:
     assert [ids for _, ids, _ in got] == [ids for _, ids, _ in expected]
 
 
-def _generate_json(directory: Path, backend: str) -> dict:
-    env = {**os.environ, "GENSERVE_BACKEND": backend, "TRITON_INTERPRET": "1"}
+@pytest.mark.parametrize("checkpoint", ["llama"], indirect=True)  # each family's Triton tokens: the tests above
+def test_genserve_generate_forced_to_triton_matches_torch(checkpoint) -> None:
+    """`genserve generate` with GENSERVE_BACKEND=triton, in a fresh process, gives the torch engine's tokens."""
+    env = {**os.environ, "GENSERVE_BACKEND": "triton", "TRITON_INTERPRET": "1"}
     out = subprocess.run(
-        [sys.executable, "-P", "-m", "genserve.services.client.cli", "generate", "--model-dir", str(directory),
+        [sys.executable, "-P", "-m", "genserve.services.client.cli", "generate", "--model-dir", str(checkpoint),
          "--temperature", "0", "--max-tokens", str(NEW_TOKENS), "--json", PROMPT],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=True)
-    return json.loads(out.stdout)
-
-
-def test_genserve_generate_forced_to_triton_matches_torch(checkpoint) -> None:
-    triton, torch_backend = _generate_json(checkpoint, "triton"), _generate_json(checkpoint, "torch")
+    triton = json.loads(out.stdout)
+    engine = _engine(checkpoint, "torch")
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0)
+    ((_, expected, _),) = engine.generate_batch([byte_tokenizer().encode(PROMPT)], params)
     assert len(triton["token_ids"]) == NEW_TOKENS
-    assert triton["token_ids"] == torch_backend["token_ids"]
+    assert triton["token_ids"] == expected

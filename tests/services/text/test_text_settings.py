@@ -1,0 +1,34 @@
+"""Engine settings from a serve config's `args` reach the text replica: the deployment class built in this process
+from those args (as Serve builds it, without Ray) reports them through GetModelInfo and decodes. The YAML-to-replica
+path itself runs end to end on the DeepSeek stack (tests/e2e/test_e2e_architectures.py), and a bad setting failing
+the deploy in tests/e2e/test_e2e_serve_settings.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from genserve.services.text.app import TextGeneration
+from genserve.services.text.settings import TextArgs
+from genserve.v1 import text_pb2
+
+KV_BUDGET = 3 * 2**20
+
+
+def test_dtype_kv_budget_and_max_running_from_the_args_take_effect() -> None:
+    args = TextArgs.model_validate({"dtype": "bfloat16", "kv_cache_bytes": KV_BUDGET, "max_running": 7})
+    app = TextGeneration.func_or_class(None, args)
+    try:
+        async def ask() -> tuple[text_pb2.ModelInfo, text_pb2.TextResponse]:
+            return (await app.GetModelInfo(text_pb2.ModelInfoRequest()),
+                    await app.Generate(text_pb2.TextRequest(prompt="The", max_tokens=3, temperature=0.0)))
+
+        info, reply = asyncio.run(ask())
+        assert info.dtype == "bfloat16" and info.max_running == 7 and len(reply.token_ids) == 3
+        assert next(app.engine.engine.model.parameters()).dtype == torch.bfloat16
+        per_block = info.kv_cache_bytes // info.kv_blocks_total
+        assert info.kv_cache_bytes == info.kv_blocks_total * per_block
+        assert info.kv_cache_bytes <= KV_BUDGET < info.kv_cache_bytes + per_block
+    finally:
+        app.engine.shutdown()
