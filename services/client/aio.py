@@ -45,12 +45,14 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _unary(self, method: Any, application: str, request: Any, *, idempotent: bool = False) -> Any:
+    async def _unary(self, method: Any, application: str, request: Any, *, idempotent: bool = False,
+                     model: str = "") -> Any:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         attempt = 0
         while True:
             try:
-                return await method(request, metadata=metadata(application, self._api_key), timeout=remaining(deadline))
+                return await method(request, metadata=metadata(application, self._api_key, model),
+                                    timeout=remaining(deadline))
             except grpc.RpcError as error:
                 wait = self.retry.delay(error, attempt, deadline) if idempotent and self.retry else None
                 if wait is None:
@@ -58,8 +60,8 @@ class AsyncClient:
             await asyncio.sleep(wait)
             attempt += 1
 
-    async def _stream(self, method: Any, application: str, request: Any) -> AsyncIterator[Any]:
-        call = method(request, metadata=metadata(application, self._api_key), timeout=self.timeout)
+    async def _stream(self, method: Any, application: str, request: Any, model: str = "") -> AsyncIterator[Any]:
+        call = method(request, metadata=metadata(application, self._api_key, model), timeout=self.timeout)
         try:
             async for message in call:
                 yield message
@@ -70,10 +72,12 @@ class AsyncClient:
 
     # text
     async def generate(self, prompt: str = "", **options: Any) -> text_pb2.TextResponse:
-        return await self._unary(self._stubs.text.Generate, "text", requests.text_request(prompt, **options))
+        request = requests.text_request(prompt, **options)
+        return await self._unary(self._stubs.text.Generate, "text", request, model=request.adapter)
 
     def generate_stream(self, prompt: str = "", **options: Any) -> AsyncIterator[text_pb2.TextChunk]:
-        return self._stream(self._stubs.text.GenerateStream, "text", requests.text_request(prompt, **options))
+        request = requests.text_request(prompt, **options)
+        return self._stream(self._stubs.text.GenerateStream, "text", request, model=request.adapter)
 
     async def tokenize(self, text: str = "", *, messages: Sequence[dict[str, str]] = ()) -> text_pb2.TokenizeResponse:
         request = requests.tokenize_request(text, messages=messages)
@@ -81,6 +85,14 @@ class AsyncClient:
 
     async def model_info(self) -> text_pb2.ModelInfo:
         return await self._unary(self._stubs.text.GetModelInfo, "text", text_pb2.ModelInfoRequest(), idempotent=True)
+
+    async def load_adapter(self, name: str, path: str) -> list[str]:
+        request = text_pb2.LoadAdapterRequest(name=name, path=path)
+        return list((await self._unary(self._stubs.text.LoadAdapter, "text", request)).adapters)
+
+    async def unload_adapter(self, name: str) -> list[str]:
+        request = text_pb2.UnloadAdapterRequest(name=name)
+        return list((await self._unary(self._stubs.text.UnloadAdapter, "text", request)).adapters)
 
     # gan
     async def gan_sample(self, num_images: int | None = None, **options: Any) -> common_pb2.ImagesResponse:

@@ -51,7 +51,7 @@ def _write_images(images, output: Path, stem: str) -> list[Path]:
 def cmd_text(client: Client, args: argparse.Namespace) -> int:
     options = dict(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, stop=args.stop or (), json_schema=args.json_schema, regex=args.regex,
+        seed=args.seed, stop=args.stop or (), json_schema=args.json_schema, regex=args.regex, adapter=args.adapter,
     )
     if args.stream:
         for chunk in client.generate_stream(args.prompt, **options):
@@ -75,7 +75,7 @@ def _stream_answer(client: Client, messages: list[dict[str, Any]], args: argpars
     """Print the assistant's answer as it streams in, then each call it made as `call NAME(ARGUMENTS)  [id]`;
     returns the assistant's turn (content and tool_calls) for the history."""
     options = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                   tools=args.tools, tool_choice=args.tool_choice)
+                   tools=args.tools, tool_choice=args.tool_choice, adapter=args.adapter)
     parts: list[str] = []
     calls: dict[int, dict[str, str]] = {}
     for chunk in client.generate_stream(messages=messages, **options):
@@ -141,6 +141,18 @@ def cmd_info(client: Client, args: argparse.Namespace) -> int:
     info = client.model_info()
     for field in info.DESCRIPTOR.fields:
         print(f"{field.name:16} {getattr(info, field.name)}")
+    return 0
+
+
+def cmd_adapters(client: Client, args: argparse.Namespace) -> int:
+    """`genserve adapters list | load NAME PATH | unload NAME`: the text model's LoRA adapters, one name a line."""
+    if args.op == "load":
+        names = client.load_adapter(args.name, args.path)
+    elif args.op == "unload":
+        names = client.unload_adapter(args.name)
+    else:
+        names = list(client.model_info().adapters)
+    print("\n".join(names))
     return 0
 
 
@@ -239,6 +251,7 @@ def _client_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--adapter", help="a loaded LoRA adapter (`genserve adapters list`); default: the base model")
     grammar = p.add_mutually_exclusive_group()
     grammar.add_argument("--json-schema", help="a JSON Schema (as JSON text) the output must satisfy")
     grammar.add_argument("--regex", help="a regular expression the whole output must match")
@@ -258,6 +271,7 @@ def _client_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tools", dest="tools_file", type=Path, metavar="FILE.json",
                    help="a JSON list of OpenAI function tools the model may call; its calls are printed")
     p.add_argument("--tool-choice", help="auto (default with --tools), none, required, or a tool's name")
+    p.add_argument("--adapter", help="a loaded LoRA adapter (`genserve adapters list`); default: the base model")
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("tokenize", help="token ids of a text (TextGeneration.Tokenize)", parents=common)
@@ -266,6 +280,16 @@ def _client_parsers(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("info", help="the served text model (TextGeneration.GetModelInfo)", parents=common)
     p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("adapters", parents=common,
+                       help="the text model's LoRA adapters: list, load NAME PATH, unload NAME (admin key)")
+    ops = p.add_subparsers(dest="op", required=True)
+    ops.add_parser("list", help="the adapters loaded now")
+    load = ops.add_parser("load", help="load the PEFT folder PATH (under the server's lora.root) as NAME")
+    load.add_argument("name")
+    load.add_argument("path")
+    ops.add_parser("unload", help="unload adapter NAME").add_argument("name")
+    p.set_defaults(func=cmd_adapters)
 
     p = sub.add_parser("gan", help="sample images from the GAN (ImageGan.Sample / Interpolate)", parents=common)
     p.add_argument("-n", "--num-images", type=int, default=1)

@@ -30,6 +30,10 @@ class Unauthenticated(GenserveError):
     """No or a wrong API key (--api-key / $GENSERVE_API_KEY), or a call from another host to a server without keys."""
 
 
+class PermissionDenied(GenserveError):
+    """The key is valid but not for this call: loading or unloading adapters needs an admin key."""
+
+
 class DeadlineExceeded(GenserveError):
     """The call's deadline passed first."""
 
@@ -54,6 +58,7 @@ _BY_CODE: dict[grpc.StatusCode, type[GenserveError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.CANCELLED: Cancelled,
     grpc.StatusCode.NOT_FOUND: NotFound,

@@ -40,10 +40,11 @@ def text_request(
     parallel_tool_calls: bool | None = None,
     enable_thinking: bool | None = None,
     reasoning_effort: str | None = None,
+    adapter: str | None = None,
 ) -> text_pb2.TextRequest:
     """`tools`: OpenAI's function tools ({"type": "function", "function": {...}}) or their `function` objects;
     `tool_choice`: "auto", "none", "required" or a tool's name. Messages may carry `tool_calls` ({id, name,
-    arguments}) and `tool_call_id`."""
+    arguments}) and `tool_call_id`. `adapter`: a loaded LoRA adapter's name (None: the base model)."""
     request = text_pb2.TextRequest(
         prompt=prompt, messages=[text_pb2.ChatMessage(**m) for m in messages], stop=list(stop),
         tools=[tool_message(t) for t in tools],
@@ -57,6 +58,7 @@ def text_request(
         repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, logprobs=logprobs, json_schema=json_schema, regex=regex,
         parallel_tool_calls=parallel_tool_calls, enable_thinking=enable_thinking, reasoning_effort=reasoning_effort,
+        adapter=adapter,
     )
     return request
 

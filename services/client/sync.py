@@ -56,10 +56,12 @@ class Stubs:
         )
 
 
-def metadata(application: str, api_key: str | None = None) -> tuple[tuple[str, str], ...]:
-    """The routing metadata, and the key as gRPC's conventional bearer token (docs/security.md)."""
+def metadata(application: str, api_key: str | None = None, model: str = "") -> tuple[tuple[str, str], ...]:
+    """The routing metadata, and the key as gRPC's conventional bearer token (docs/security.md). `model`: a LoRA
+    adapter's name as Ray Serve's multiplexed model id, so the proxy prefers a replica that holds it."""
     key = (("authorization", f"Bearer {api_key}"),) if api_key else ()
-    return (("application", application), *key)
+    multiplexed = (("multiplexed_model_id", model),) if model else ()
+    return (("application", application), *key, *multiplexed)
 
 
 def api_key_or_env(api_key: str | None) -> str | None:
@@ -90,12 +92,13 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _unary(self, method: Any, application: str, request: Any, *, idempotent: bool = False) -> Any:
+    def _unary(self, method: Any, application: str, request: Any, *, idempotent: bool = False, model: str = "") -> Any:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         attempt = 0
         while True:
             try:
-                return method(request, metadata=metadata(application, self._api_key), timeout=remaining(deadline))
+                return method(request, metadata=metadata(application, self._api_key, model),
+                              timeout=remaining(deadline))
             except grpc.RpcError as error:
                 wait = self.retry.delay(error, attempt, deadline) if idempotent and self.retry else None
                 if wait is None:
@@ -103,8 +106,8 @@ class Client:
             time.sleep(wait)
             attempt += 1
 
-    def _stream(self, method: Any, application: str, request: Any) -> Iterator[Any]:
-        call = method(request, metadata=metadata(application, self._api_key), timeout=self.timeout)
+    def _stream(self, method: Any, application: str, request: Any, model: str = "") -> Iterator[Any]:
+        call = method(request, metadata=metadata(application, self._api_key, model), timeout=self.timeout)
         try:
             yield from call
         except grpc.RpcError as error:
@@ -114,10 +117,12 @@ class Client:
 
     # text
     def generate(self, prompt: str = "", **options: Any) -> text_pb2.TextResponse:
-        return self._unary(self._stubs.text.Generate, "text", requests.text_request(prompt, **options))
+        request = requests.text_request(prompt, **options)
+        return self._unary(self._stubs.text.Generate, "text", request, model=request.adapter)
 
     def generate_stream(self, prompt: str = "", **options: Any) -> Iterator[text_pb2.TextChunk]:
-        return self._stream(self._stubs.text.GenerateStream, "text", requests.text_request(prompt, **options))
+        request = requests.text_request(prompt, **options)
+        return self._stream(self._stubs.text.GenerateStream, "text", request, model=request.adapter)
 
     def tokenize(self, text: str = "", *, messages: Sequence[dict[str, str]] = ()) -> text_pb2.TokenizeResponse:
         request = requests.tokenize_request(text, messages=messages)
@@ -125,6 +130,16 @@ class Client:
 
     def model_info(self) -> text_pb2.ModelInfo:
         return self._unary(self._stubs.text.GetModelInfo, "text", text_pb2.ModelInfoRequest(), idempotent=True)
+
+    def load_adapter(self, name: str, path: str) -> list[str]:
+        """Load the LoRA adapter folder `path` (under the server's lora.root) as `name`; the adapters loaded after.
+        Needs an admin key when the server has keys."""
+        request = text_pb2.LoadAdapterRequest(name=name, path=path)
+        return list(self._unary(self._stubs.text.LoadAdapter, "text", request).adapters)
+
+    def unload_adapter(self, name: str) -> list[str]:
+        request = text_pb2.UnloadAdapterRequest(name=name)
+        return list(self._unary(self._stubs.text.UnloadAdapter, "text", request).adapters)
 
     # gan
     def gan_sample(self, num_images: int | None = None, **options: Any) -> common_pb2.ImagesResponse:

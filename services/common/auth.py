@@ -5,6 +5,10 @@
   SHA-256 digests are kept. A call presents its key as `authorization: Bearer <key>` (gRPC metadata or the HTTP
   header, as OpenAI clients send it); the digest of what it presents is compared with every configured digest with
   `hmac.compare_digest`, so neither the comparison nor which key matched shows in the timing.
+- Admin keys (GENSERVE_ADMIN_KEYS, comma-separated, and/or `admin:<key>` or `admin:sha256:<hex>` lines in the key
+  file) are API keys that may also call the admin operations (loading and unloading LoRA adapters). With keys
+  configured, an admin call with no or a wrong key is UNAUTHENTICATED and one with a plain API key
+  PERMISSION_DENIED; with no keys configured, admin calls follow the peer rule like every other call.
 - With no keys configured, only callers on this host are served: a loopback peer (127.0.0.0/8, ::1, an IPv4-mapped
   ::ffff:127.x, a unix socket). `insecure` (GENSERVE_INSECURE=1, `make serve --insecure`) serves everyone instead.
 - A missing and a wrong key get the same message; no key, digest or header value is ever logged or echoed.
@@ -21,12 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote
 
-from .errors import Unauthenticated
+from .errors import PermissionDenied, Unauthenticated
 
 KEYS_ENV = "GENSERVE_API_KEYS"
 KEYS_FILE_ENV = "GENSERVE_API_KEYS_FILE"
+ADMIN_KEYS_ENV = "GENSERVE_ADMIN_KEYS"
 INSECURE_ENV = "GENSERVE_INSECURE"
 HASHED_PREFIX = "sha256:"
+ADMIN_PREFIX = "admin:"
+NOT_ADMIN = "this call needs an admin key (GENSERVE_ADMIN_KEYS, or an `admin:` line of the key file)"
 BAD_KEY = "missing or invalid API key: send the metadata (or HTTP header) `authorization: Bearer <key>`"
 REMOTE_NEEDS_KEY = "this server takes calls from other hosts only with an API key"
 
@@ -51,20 +58,31 @@ def _key_line(line: str, where: str) -> bytes:
     return digest(line)
 
 
-def load_digests(environ: Mapping[str, str] = os.environ) -> tuple[bytes, ...]:
-    """The configured keys' digests; empty when neither variable is set. A key file that is set but holds no key
-    is an error: it means keys were wanted."""
-    found = [_key_line(entry.strip(), f"{KEYS_ENV} entry {i + 1}")
-             for i, entry in enumerate(environ.get(KEYS_ENV, "").split(",")) if entry.strip()]
+def _env_keys(environ: Mapping[str, str], name: str) -> list[bytes]:
+    return [_key_line(entry.strip(), f"{name} entry {i + 1}")
+            for i, entry in enumerate(environ.get(name, "").split(",")) if entry.strip()]
+
+
+def load_keys(environ: Mapping[str, str] = os.environ) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+    """The digests of every configured key (admin keys included) and of the admin keys; empty when no variable is
+    set. A key file that is set but holds no key is an error: it means keys were wanted."""
+    found, admin = _env_keys(environ, KEYS_ENV), _env_keys(environ, ADMIN_KEYS_ENV)
     path = environ.get(KEYS_FILE_ENV, "")
     if path:
-        lines = Path(path).read_text().splitlines()
-        from_file = [_key_line(line.strip(), f"{KEYS_FILE_ENV} line {n}") for n, line in enumerate(lines, 1)
-                     if line.strip() and not line.lstrip().startswith("#")]
-        if not from_file:
+        lines = [(n, line.strip()) for n, line in enumerate(Path(path).read_text().splitlines(), 1)
+                 if line.strip() and not line.lstrip().startswith("#")]
+        if not lines:
             raise ValueError(f"{KEYS_FILE_ENV}: {path} holds no key")
-        found += from_file
-    return tuple(dict.fromkeys(found))
+        for n, line in lines:
+            is_admin = line.startswith(ADMIN_PREFIX)
+            key = _key_line(line.removeprefix(ADMIN_PREFIX), f"{KEYS_FILE_ENV} line {n}")
+            (admin if is_admin else found).append(key)
+    return tuple(dict.fromkeys(found + admin)), tuple(dict.fromkeys(admin))
+
+
+def load_digests(environ: Mapping[str, str] = os.environ) -> tuple[bytes, ...]:
+    """The configured keys' digests (admin keys included); empty when no key variable is set."""
+    return load_keys(environ)[0]
 
 
 def insecure(environ: Mapping[str, str] = os.environ) -> bool:
@@ -114,10 +132,12 @@ class Access:
 
     digests: tuple[bytes, ...] = ()
     insecure: bool = False
+    admin_digests: tuple[bytes, ...] = ()  # those of `digests` that may also call the admin operations
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> Access:
-        return cls(load_digests(environ), insecure(environ))
+        digests, admin = load_keys(environ)
+        return cls(digests, insecure(environ), admin)
 
     def _match(self, key: str) -> bytes | None:
         """The configured digest equal to the key's, checking every one of them (constant time in which matches)."""
@@ -140,10 +160,22 @@ class Access:
             raise Unauthenticated(REMOTE_NEEDS_KEY)
         return f"host:{host}"
 
+    def admin(self, authorization: str | None, host: str | None) -> str:
+        """`caller` for an admin operation: with keys configured, the key must also be an admin key (else
+        PermissionDenied); without keys, the peer rule as for every call."""
+        caller = self.caller(authorization, host)
+        admin = False
+        for candidate in self.admin_digests:  # every one compared, as in `_match`
+            admin |= hmac.compare_digest(caller, "key:" + candidate.hex())
+        if self.digests and not admin:
+            raise PermissionDenied(NOT_ADMIN)
+        return caller
+
     def describe(self) -> str:
         """One line for the start-up log: what this server accepts."""
         if self.digests:
-            return f"auth: API keys required ({len(self.digests)} configured)"
+            admin = f", {len(self.admin_digests)} of them admin" if self.admin_digests else ""
+            return f"auth: API keys required ({len(self.digests)} configured){admin}"
         if self.insecure:
             return ("auth: INSECURE: no API keys and --insecure: EVERY host that reaches these ports may use every "
                     "model")

@@ -50,10 +50,11 @@ def resolve_model_dir(service: str, configured: str | None) -> str | None:
 
 
 def build_app(service: str, deployment: Deployment, args: dict[str, Any] | None,
-              args_model: type[AppArgs] = AppArgs) -> Application:
-    """Bind `deployment` to its model directory and its validated settings (rate limits, and the app's own)."""
+              args_model: type[AppArgs] = AppArgs, *bound: Application) -> Application:
+    """Bind `deployment` to its model directory, its validated settings (rate limits, and the app's own) and the
+    other deployments of its app in `bound` (their handles)."""
     parsed = args_model.model_validate(args or {})
-    return deployment.bind(resolve_model_dir(service, parsed.model_dir), parsed)
+    return deployment.bind(resolve_model_dir(service, parsed.model_dir), parsed, *bound)
 
 
 def handle_to(app_name: str) -> Any:

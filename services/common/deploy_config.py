@@ -225,11 +225,26 @@ def reserved_cpus(config: dict[str, Any]) -> float:
 
 
 HEADER = "# Written by `python -m genserve.services.common.deploy_config` ({what}); edit that module, not this file.\n"
+# The text app's optional settings, off unless given: written as comments above its torch_threads (docs/deploy.md).
+TEXT_ARGS_COMMENTS = (
+    '# Exact speculative decoding, off unless given (docs/models.md, "Speculative decoding"):',
+    "# speculative: {method: ngram, num_tokens: 4, ngram_min: 1, ngram_max: 4, max_batch: 8}",
+    '# LoRA adapters, off unless given (docs/deploy.md, "LoRA adapters"): PEFT folders under `root` only, loaded',
+    "# at start from `adapters` ({name: folder}) and at run time with an admin key (POST /v1/load_lora_adapter):",
+    "# lora: {root: /models/lora, max_loras: 4, max_cpu_loras: 8, max_lora_rank: 16, adapters: {}}",
+)
+
+
+def _with_text_comments(text: str) -> str:
+    """`text` (a dumped serve config) with TEXT_ARGS_COMMENTS above the text app's `torch_threads`."""
+    lines = text.splitlines(keepends=True)
+    at = next(i for i in range(lines.index("- name: text\n"), len(lines)) if lines[i].startswith("    torch_threads:"))
+    return "".join(lines[:at] + [f"    {comment}\n" for comment in TEXT_ARGS_COMMENTS] + lines[at:])
 
 
 def write(path: Path, config: dict[str, Any], what: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(HEADER.format(what=what) + yaml.safe_dump(config, sort_keys=False))
+    path.write_text(HEADER.format(what=what) + _with_text_comments(yaml.safe_dump(config, sort_keys=False)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,8 @@ A handler never builds a status by hand: it raises (or lets the model raise) and
 - a service's own errors, passed in `known` with their code (e.g. the text engine's EngineOverloaded ->
   RESOURCE_EXHAUSTED, the diffusion pipeline's GenerationCancelled -> CANCELLED);
 - `NotFound` -> NOT_FOUND; `Unimplemented` -> UNIMPLEMENTED; `TimeoutError` -> DEADLINE_EXCEEDED;
-- `Unauthenticated` (no or a wrong API key, services/common/auth.py) -> UNAUTHENTICATED;
+- `Unauthenticated` (no or a wrong API key, services/common/auth.py) -> UNAUTHENTICATED; `PermissionDenied` (a
+  valid key that is not an admin key, on an admin call) -> PERMISSION_DENIED;
 - `RateLimited` (a caller's bucket is empty, services/common/rate_limit.py) -> RESOURCE_EXHAUSTED;
 - `Unavailable` (the stack is draining) -> UNAVAILABLE; `Cancelled` (the drain time ran out) -> CANCELLED, each with
   its message;
@@ -49,6 +50,10 @@ class Unimplemented(LookupError):
 
 class Unauthenticated(PermissionError):
     """The call carries no valid API key (or comes from another host while no keys are configured)."""
+
+
+class PermissionDenied(PermissionError):
+    """The call's key is valid but may not make this call (an admin operation without an admin key)."""
 
 
 class RateLimited(Exception):
@@ -115,6 +120,8 @@ def to_status(
         return Status(grpc.StatusCode.NOT_FOUND, _clip(str(exc)))
     if isinstance(exc, Unauthenticated):
         return Status(grpc.StatusCode.UNAUTHENTICATED, _clip(str(exc)))
+    if isinstance(exc, PermissionDenied):
+        return Status(grpc.StatusCode.PERMISSION_DENIED, _clip(str(exc)))
     if isinstance(exc, RateLimited):
         return Status(grpc.StatusCode.RESOURCE_EXHAUSTED, _clip(str(exc)))
     if isinstance(exc, Unavailable):

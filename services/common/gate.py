@@ -4,7 +4,9 @@ limits have room; what it generates is then charged to that caller (services/com
 gRPC calls are admitted by the handler wrapper (services/common/rpc.py) from the Ray Serve gRPC context: the
 `authorization` metadata and the peer the proxy saw. HTTP calls are admitted by the OpenAI-compatible app from the
 header and the client address. Deployment-handle calls (`grpc_context` None) come from inside the Ray cluster, from
-an app that admitted its own caller, and pass; so does grpc.health.v1, which probes call without keys.
+an app that admitted its own caller, and pass; so does grpc.health.v1, which probes call without keys. An app's
+admin requests (the text app's LoadAdapter and UnloadAdapter) need an admin key whenever keys are set
+(`Access.admin`).
 """
 
 from __future__ import annotations
@@ -41,17 +43,20 @@ FREE = Ticket()
 class Gate:
     """One per deployment replica: the process's Access (from the environment) and the app's rate limits."""
 
-    def __init__(self, access: Access, limits: RateLimits | None = None):
+    def __init__(self, access: Access, limits: RateLimits | None = None,
+                 admin_requests: tuple[type[Message], ...] = ()):
         self.access = access
         self.limiter = Limiter(limits or RateLimits())
+        self.admin_requests = admin_requests
 
     @classmethod
-    def from_env(cls, limits: RateLimits | None = None) -> Gate:
-        return cls(Access.from_env(), limits)
+    def from_env(cls, limits: RateLimits | None = None, admin_requests: tuple[type[Message], ...] = ()) -> Gate:
+        return cls(Access.from_env(), limits, admin_requests)
 
-    def admit(self, authorization: str | None, host: str | None) -> Ticket:
-        """Raises Unauthenticated or RateLimited; else the ticket to charge the call's output to."""
-        caller = self.access.caller(authorization, host)
+    def admit(self, authorization: str | None, host: str | None, *, admin: bool = False) -> Ticket:
+        """Raises Unauthenticated, PermissionDenied (`admin` without an admin key) or RateLimited; else the
+        ticket to charge the call's output to."""
+        caller = (self.access.admin if admin else self.access.caller)(authorization, host)
         self.limiter.admit(caller)
         return Ticket(self.limiter, caller)
 
@@ -63,7 +68,8 @@ class Gate:
             return FREE
         authorization = dict(grpc_context.invocation_metadata()).get("authorization")
         try:
-            return self.admit(authorization, grpc_peer_host(grpc_context.peer()))
+            return self.admit(authorization, grpc_peer_host(grpc_context.peer()),
+                              admin=isinstance(request, self.admin_requests))
         except RateLimited as exc:
             grpc_context.set_trailing_metadata([(RETRY_AFTER, str(exc.retry_after_s))])
             raise

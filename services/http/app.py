@@ -1,15 +1,19 @@
 """The `http` application: an OpenAI-compatible HTTP API on Ray Serve's HTTP proxy, as a FastAPI ingress.
 
-    GET  /v1/models                 the served generative models: `text` and `diffusion`
+    GET  /v1/models                 the served generative models: `text`, its loaded LoRA adapters, `diffusion`
     POST /v1/completions            text completions, unary or streamed (server-sent events ending in [DONE])
     POST /v1/chat/completions       chat (the text service applies the model's chat template), unary or streamed
+    POST /v1/load_lora_adapter      vLLM's admin routes: load a LoRA adapter of the text model ({lora_name,
+    POST /v1/unload_lora_adapter    lora_path}) or unload one ({lora_name}); an admin key when keys are set
     POST /v1/images/generations     text-to-image, PNGs as b64_json
     POST /v1/images/edits           image-to-image and inpainting (multipart: image, mask, prompt, ...), b64_json
     GET  /openapi.json              the schema of all of these (what schemathesis fuzzes)
 
 Every route first admits its caller (services/common/gate.py): the `authorization: Bearer <key>` header (what the
 openai SDK sends for api_key=), the peer rule without keys, and the rate limits of this app's `rate_limits` arg;
-401 and 429 (with Retry-After) are OpenAI error objects like the rest. /openapi.json stays open.
+401 and 429 (with Retry-After) are OpenAI error objects like the rest. /openapi.json stays open. A text body's
+`model` is `text` (the base model) or a LoRA adapter's name, sent to the text app as TextRequest.adapter and as Ray
+Serve's multiplexed model id, so that Serve prefers a replica that already holds the adapter.
 
 It loads no model: it reaches the `text` and `diffusion` applications through deployment handles with the same
 protobuf requests a gRPC client sends, so validation and limits are theirs, and the latents still go through `vae`.
@@ -28,7 +32,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.deployment import Application
@@ -37,20 +41,31 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from genserve.services.common import drain
 from genserve.services.common.builder import handle_to
-from genserve.services.common.errors import RateLimited, Unauthenticated, field_path
+from genserve.services.common.errors import InvalidArgument, PermissionDenied, RateLimited, Unauthenticated, field_path
 from genserve.services.common.gate import Gate, Ticket
 from genserve.services.common.rate_limit import RateLimits
 from genserve.services.common.ray_adapter import serve_request_id
 from genserve.services.diffusion.schema import KNOWN_ERRORS as IMAGE_ERRORS
 from genserve.services.http import images, playground_api, responses, text
 from genserve.services.http.errors import ModelNotFound, describe, error_body, error_response, refusal, to_error
-from genserve.services.http.schemas import MAX_BODY_BYTES, ChatBody, CompletionBody, ImageBody, ResponsesBody
+from genserve.services.http.schemas import (
+    MAX_BODY_BYTES,
+    ChatBody,
+    CompletionBody,
+    ImageBody,
+    LoadLoraBody,
+    ResponsesBody,
+    UnloadLoraBody,
+)
 from genserve.services.http.streams import batches, merge
+from genserve.services.text.schema import ADAPTER_NAME
 from genserve.services.text.schema import KNOWN_ERRORS as TEXT_ERRORS
 from genserve.v1 import text_pb2
 
 logger = logging.getLogger("ray.serve")
-TEXT_MODEL, IMAGE_MODEL = "text", "diffusion"
+TEXT_MODEL, IMAGE_MODEL = text.BASE_MODEL, "diffusion"
+# The admin routes' names for LoadAdapterRequest's fields.
+LORA_FIELDS = {"name": "lora_name", "path": "lora_path"}
 UNION_TAGS = {"str", "int", "float", "bool", "list", "dict"}
 
 
@@ -79,7 +94,8 @@ class ErrorBody(BaseModel):
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody, "description": what}
     for status, what in ((400, "a field is wrong (`param` names it)"), (404, "unknown model"),
-                         (401, "no or a wrong API key"), (413, "body too large"),
+                         (401, "no or a wrong API key"), (403, "an admin route without an admin key"),
+                         (413, "body too large"),
                          (429, "overloaded or rate-limited; see Retry-After"), (500, "internal error"),
                          (503, "the server is draining (shutting down)"))
 }
@@ -162,8 +178,9 @@ async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONRe
 
 
 @api.exception_handler(Unauthenticated)
+@api.exception_handler(PermissionDenied)
 @api.exception_handler(RateLimited)
-async def _refused(request: Request, exc: Unauthenticated | RateLimited) -> JSONResponse:
+async def _refused(request: Request, exc: Unauthenticated | PermissionDenied | RateLimited) -> JSONResponse:
     return refusal(exc)
 
 
@@ -175,6 +192,12 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
 
 def _model_entry(model_id: str, created: int, root: str) -> dict[str, Any]:
     return {"id": model_id, "object": "model", "created": created, "owned_by": "genserve", "root": root}
+
+
+def _check_text_model(model: str, endpoint: str) -> None:
+    """The base model, or a name an adapter may have (whether it is loaded, the text app says: 404 naming it)."""
+    if model == IMAGE_MODEL or (model != TEXT_MODEL and not ADAPTER_NAME.fullmatch(model)):
+        raise ModelNotFound(model, endpoint)
 
 
 @serve.deployment(name="OpenAIApi")
@@ -194,9 +217,17 @@ class OpenAIApi:
             self._handles[app] = handle_to(app)
         return self._handles[app]
 
-    def _admit(self, request: Request) -> Ticket:
-        """The caller's ticket; Unauthenticated / RateLimited become 401 / 429 through `_refused`."""
-        return self.gate.admit(request.headers.get("authorization"), request.client.host if request.client else None)
+    def _text_handle(self, model: str) -> Any:
+        """The text app's handle for a body's `model`: an adapter's name is also the multiplexed model id, so that
+        Serve routes the call to a replica that holds the adapter where one does."""
+        handle = self._handle("text")
+        return handle if model == TEXT_MODEL else handle.options(multiplexed_model_id=model)
+
+    def _admit(self, request: Request, *, admin: bool = False) -> Ticket:
+        """The caller's ticket; Unauthenticated / PermissionDenied (`admin`: an admin route without an admin key) /
+        RateLimited become 401 / 403 / 429 through `_refused`."""
+        return self.gate.admit(request.headers.get("authorization"), request.client.host if request.client else None,
+                               admin=admin)
 
     async def _respond(self, work: Awaitable[Response], fields: Mapping[str, str], known: Mapping) -> Response:
         """`work`'s response, or the OpenAI error for what it raised."""
@@ -216,7 +247,31 @@ class OpenAIApi:
         # tool_format: how the text model takes tools (its template's family, or "generic"); reasoning: it thinks.
         text_entry = _model_entry(TEXT_MODEL, self.created, info.model_name) | {"tool_format": info.tool_format,
                                                                                 "reasoning": info.reasoning}
-        return {"object": "list", "data": [text_entry, _model_entry(IMAGE_MODEL, self.created, IMAGE_MODEL)]}
+        # As vLLM lists them: each adapter with the base model as its parent.
+        adapters = [_model_entry(name, self.created, name) | {"parent": TEXT_MODEL} for name in info.adapters]
+        return {"object": "list",
+                "data": [text_entry, *adapters, _model_entry(IMAGE_MODEL, self.created, IMAGE_MODEL)]}
+
+    @api.post("/v1/load_lora_adapter", responses=ERRORS)
+    async def load_lora_adapter(self, body: LoadLoraBody, request: Request) -> Response:
+        self._admit(request, admin=True)
+        return await self._respond(self._load_lora(body), LORA_FIELDS, TEXT_ERRORS)
+
+    @api.post("/v1/unload_lora_adapter", responses=ERRORS)
+    async def unload_lora_adapter(self, body: UnloadLoraBody, request: Request) -> Response:
+        self._admit(request, admin=True)
+        return await self._respond(self._unload_lora(body), LORA_FIELDS, TEXT_ERRORS)
+
+    async def _load_lora(self, body: LoadLoraBody) -> Response:
+        if body.lora_name in (TEXT_MODEL, IMAGE_MODEL):
+            raise InvalidArgument("name", f"{body.lora_name!r} is a base model's id")
+        await self._handle("text").LoadAdapter.remote(text_pb2.LoadAdapterRequest(name=body.lora_name,
+                                                                                  path=body.lora_path))
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")  # vLLM's words
+
+    async def _unload_lora(self, body: UnloadLoraBody) -> Response:
+        await self._handle("text").UnloadAdapter.remote(text_pb2.UnloadAdapterRequest(name=body.lora_name))
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @api.post("/v1/completions", responses=ERRORS)
     async def completions(self, body: CompletionBody, request: Request) -> Response:
@@ -252,8 +307,7 @@ class OpenAIApi:
 
     # ---- text ---------------------------------------------------------------------------------------------
     async def _text(self, body: ChatBody | CompletionBody, ticket: Ticket, chat: bool) -> Response:
-        if body.model != TEXT_MODEL:
-            raise ModelNotFound(body.model, "/v1/chat/completions" if chat else "/v1/completions")
+        _check_text_model(body.model, "/v1/chat/completions" if chat else "/v1/completions")
         job = text.chat_job(body) if chat else text.completion_job(body)
         if body.stream:
             return await self._text_stream(body, job, ticket, chat)
@@ -266,7 +320,7 @@ class OpenAIApi:
 
     async def _text_unary(self, body: ChatBody | CompletionBody, job: text.TextJob, ticket: Ticket,
                           chat: bool) -> Response:
-        responses = [self._handle("text").Generate.remote(r) for r in job.requests]
+        responses = [self._text_handle(body.model).Generate.remote(r) for r in job.requests]
         try:
             replies = [await r for r in responses]
         except BaseException:
@@ -283,7 +337,7 @@ class OpenAIApi:
                            chat: bool) -> Response:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         writer = text.ChunkWriter(chat, body.model, job, include_usage)
-        handle = self._handle("text").options(stream=True)
+        handle = self._text_handle(body.model).options(stream=True)
         streams = [handle.GenerateStream.remote(r) for r in job.requests]
         chunks = merge(streams)
 
@@ -344,11 +398,10 @@ class OpenAIApi:
         return await self._respond(stored(), {"previous_response_id": "response_id"}, responses.KNOWN)
 
     async def _responses(self, body: ResponsesBody, ticket: Ticket) -> Response:
-        if body.model != TEXT_MODEL:
-            raise ModelNotFound(body.model, "/v1/responses")
+        _check_text_model(body.model, "/v1/responses")
         turn = responses.prepare(body, self.responses)
         if not body.stream:
-            call = self._handle("text").Generate.remote(turn.request)
+            call = self._text_handle(body.model).Generate.remote(turn.request)
             try:
                 reply = await call
             except BaseException:
@@ -356,7 +409,7 @@ class OpenAIApi:
                 raise
             ticket.charge(reply)
             return JSONResponse(responses.reply_object(turn, reply, self.responses))
-        stream = self._handle("text").options(stream=True).GenerateStream.remote(turn.request)
+        stream = self._text_handle(body.model).options(stream=True).GenerateStream.remote(turn.request)
         events = responses.events(turn, stream, self.responses, ticket.charge)
         try:  # the first events wait for the first chunk: an error up to there gets its own status
             first = [await anext(events) for _ in range(3)]

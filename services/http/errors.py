@@ -1,7 +1,8 @@
 """Errors as OpenAI's error object: `{"error": {"message", "type", "param", "code"}}` with the fitting HTTP status.
 
 The status comes from the one mapping every gRPC handler uses (services/common/errors.py): INVALID_ARGUMENT is 400,
-NOT_FOUND 404, RESOURCE_EXHAUSTED 429 (with Retry-After), UNAUTHENTICATED 401, UNAVAILABLE 503 (draining),
+NOT_FOUND 404, RESOURCE_EXHAUSTED 429 (with Retry-After), UNAUTHENTICATED 401, PERMISSION_DENIED 403 (an admin
+route without an admin key), UNAVAILABLE 503 (draining),
 INTERNAL 500 with only a request id. `param` names the
 field as the client spelled it (`fields` maps the gRPC schema's names, e.g. TextIn's `logprobs`, onto the body's).
 """
@@ -21,6 +22,7 @@ from ray.serve.exceptions import BackPressureError
 from genserve.services.common.errors import (
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     RateLimited,
     Unauthenticated,
     field_path,
@@ -31,6 +33,7 @@ RETRY_AFTER_S = 1
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.UNIMPLEMENTED: 501,
@@ -38,10 +41,11 @@ HTTP_STATUS = {
     grpc.StatusCode.CANCELLED: 499,
     grpc.StatusCode.UNAVAILABLE: 503,
 }
-ERROR_TYPE = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+ERROR_TYPE = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
+              404: "invalid_request_error",
               413: "invalid_request_error", 429: "rate_limit_error"}
-ERROR_CODE = {401: "invalid_api_key", 404: "model_not_found", 413: "request_too_large", 429: "overloaded",
-              500: "internal_error"}
+ERROR_CODE = {401: "invalid_api_key", 403: "permission_denied", 404: "model_not_found", 413: "request_too_large",
+              429: "overloaded", 500: "internal_error"}
 
 
 class ModelNotFound(NotFound):
@@ -125,12 +129,13 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return _response(status, error_body(status, message, param, code), request_id)
 
 
-def refusal(exc: Unauthenticated | RateLimited) -> JSONResponse:
-    """401 for a call without a valid key, 429 with the caller's own Retry-After for a rate limit; the same
-    message as over gRPC."""
+def refusal(exc: Unauthenticated | PermissionDenied | RateLimited) -> JSONResponse:
+    """401 for a call without a valid key, 403 for an admin route without an admin key, 429 with the caller's own
+    Retry-After for a rate limit; the same message as over gRPC."""
     if isinstance(exc, RateLimited):
         return _response(429, error_body(429, str(exc), code="rate_limit_exceeded"), None, exc.retry_after_s)
-    return _response(401, error_body(401, str(exc)), None)
+    status = 403 if isinstance(exc, PermissionDenied) else 401
+    return _response(status, error_body(status, str(exc)), None)
 
 
 def _response(status: int, body: dict[str, Any], request_id: str | None,

@@ -28,7 +28,7 @@ from genserve.v1 import text_pb2
 
 # TextIn's names -> the body's, for the `param` of an error.
 FIELDS = {"max_tokens": "max_output_tokens", "json_schema": "text.format", "tool_name": "tool_choice",
-          "enable_thinking": "reasoning"}
+          "enable_thinking": "reasoning", "adapter": "model"}
 
 
 class ResponseNotFound(NotFound):
@@ -176,7 +176,7 @@ def prepare(body: ResponsesBody, store: ResponseStore) -> Turn:
     earlier = store.get(body.previous_response_id).conversation if body.previous_response_id else []
     conversation = [*earlier, *input_messages(body.input)]
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    source: dict[str, Any] = {"messages": [*system, *conversation]}
+    source: dict[str, Any] = {"messages": [*system, *conversation], **text.adapter_field(body.model)}
     choice = body.tool_choice
     named = choice if choice is not None and not isinstance(choice, str) else None
     source |= text.tool_fields([t.model_dump() for t in body.tools or []], "function" if named else choice,

@@ -34,7 +34,8 @@ def bounds(schema: type[BaseModel], field: str, **extra: Any) -> Any:
 
 
 def served(model: str) -> Any:
-    """The `model` field: any string is read (others get 404), the schema names the one served."""
+    """The `model` field: any string is read (a loaded LoRA adapter's name too; others get 404), the schema names
+    the base model."""
     return Field(json_schema_extra={"enum": [model]})
 
 
@@ -203,6 +204,19 @@ class TextFormat(Body):
 
 class TextConfig(Body):
     format: TextFormat | None = None
+
+
+class LoadLoraBody(Body):
+    """vLLM's POST /v1/load_lora_adapter: a PEFT adapter folder under the text app's lora.root, as `lora_name`."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraBody(Body):
+    """vLLM's POST /v1/unload_lora_adapter."""
+
+    lora_name: str
 
 
 class ReasoningConfig(Body):

@@ -20,6 +20,8 @@ from genserve.services.text.schema import TextIn
 from genserve.shared.seeds import MAX_SEED
 from genserve.v1 import text_pb2
 
+# The base model's id in the OpenAI API; any other `model` of a text body names a LoRA adapter of the text service.
+BASE_MODEL = "text"
 # The engine's finish reasons in OpenAI's words.
 FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length", "context_length": "length",
                  "tool_calls": "tool_calls"}
@@ -37,9 +39,14 @@ class TextJob:
     top_logprobs: int | None
 
 
+def adapter_field(model: str) -> dict[str, str]:
+    """TextRequest's `adapter` for a body's `model`: none for the base model, else the adapter of that name."""
+    return {} if model == BASE_MODEL else {"adapter": model}
+
+
 def body_fields(body: ChatBody | CompletionBody) -> dict[str, str]:
     """The body's names for TextIn's fields, for the `param` of an error ("[]" stands for any index)."""
-    fields = {"json_schema": "response_format", "regex": "response_format"}
+    fields = {"json_schema": "response_format", "regex": "response_format", "adapter": "model"}
     if isinstance(body, ChatBody):
         fields |= {"logprobs": "top_logprobs", "tool_name": "tool_choice", "tools[].": "tools[].function.",
                    "messages[].tool_calls[].": "messages[].tool_calls[].function.",
@@ -132,7 +139,7 @@ def tool_fields(tools: list[dict[str, Any]] | None, choice: str | None, name: st
 def chat_job(body: ChatBody) -> TextJob:
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidArgument("top_logprobs", "needs logprobs: true")
-    source: dict[str, Any] = {"messages": [_message(m) for m in body.messages]}
+    source: dict[str, Any] = {"messages": [_message(m) for m in body.messages], **adapter_field(body.model)}
     choice = body.tool_choice
     named = choice if choice is not None and not isinstance(choice, str) else None
     source |= tool_fields([t.function.model_dump() for t in body.tools or []],
@@ -156,8 +163,8 @@ def completion_job(body: CompletionBody) -> TextJob:
         raise InvalidArgument("n", f"prompts times n must be at most {MAX_CHOICES}")
     asked = body.logprobs is not None
     sampling = _sampling(body, body.max_tokens, _logprobs_in(body.logprobs, asked))
-    return TextJob(_requests([{"prompt": p} for p in prompts], sampling, body.n), body.n,
-                   body.logprobs if asked else None)
+    sources = [{"prompt": p, **adapter_field(body.model)} for p in prompts]
+    return TextJob(_requests(sources, sampling, body.n), body.n, body.logprobs if asked else None)
 
 
 # ---- replies -----------------------------------------------------------------------------------------------

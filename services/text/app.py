@@ -2,10 +2,15 @@
 
 Each handler validates the request (pydantic), hands token ids to `AsyncLLMEngine` and turns its `Delta`s into
 protobuf; streaming sends every delta as the engine produces it. Errors become statuses in services/common.
+
+LoRA adapters (serve config `lora`): LoadAdapter / UnloadAdapter need an admin key when keys are set
+(services/common/gate.py). With `lora`, the app also runs AdapterNames (services/text/adapter_names.py), the one
+record of the adapters' names that every replica follows before a request uses an adapter.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import threading
@@ -13,12 +18,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jinja2
 from grpc_health.v1 import health_pb2
 from ray import serve
 from ray.serve.deployment import Application
+from ray.serve.handle import DeploymentHandle
 
 from genserve.services.common import health
 from genserve.services.common.builder import build_app
@@ -28,17 +35,22 @@ from genserve.services.common.gate import Gate
 from genserve.services.common.metrics import ServiceMetrics
 from genserve.services.common.rpc import streaming, unary, unknown_rpcs
 from genserve.services.common.validation import parse
+from genserve.services.text.adapter_names import AdapterNames
 from genserve.services.text.engine.async_engine import AsyncLLMEngine
 from genserve.services.text.engine.params import (
+    AdapterNotFound,
     Delta,
+    InvalidAdapter,
     SamplingParams,
 )
 from genserve.services.text.schema import (
     KNOWN_ERRORS,
     PROMPT_BYTES_PER_TOKEN,
     ChatMessageIn,
+    LoadAdapterIn,
     TextIn,
     TokenizeIn,
+    UnloadAdapterIn,
     check_conversation,
 )
 from genserve.services.text.settings import TextArgs
@@ -55,6 +67,7 @@ from genserve.services.text.tools.parsers import parse as parse_reply
 from genserve.v1 import text_pb2
 
 SERVICE = "genserve.v1.TextGeneration"
+ADMIN_REQUESTS = (text_pb2.LoadAdapterRequest, text_pb2.UnloadAdapterRequest)
 # The engine's finish reasons after which a reply that made calls ends with "tool_calls", as OpenAI's do.
 CALL_ENDINGS = ("eos", "stop")
 
@@ -126,11 +139,14 @@ class TextGeneration:
     __getattr__ = unknown_rpcs
     known_errors = KNOWN_ERRORS
 
-    def __init__(self, model_dir: str | None, settings: TextArgs | None = None):
+    def __init__(self, model_dir: str | None, settings: TextArgs | None = None,
+                 adapter_names: DeploymentHandle | None = None):
+        """`adapter_names`: the app's AdapterNames (with `lora`); None: this replica's own registry is the record."""
         settings = settings or TextArgs()
         use_torch_threads(settings.torch_threads)
         self.metrics = ServiceMetrics("text")
-        self.gate = Gate.from_env(settings.rate_limits)
+        self.gate = Gate.from_env(settings.rate_limits, ADMIN_REQUESTS)
+        self.names = adapter_names
         self.engine = AsyncLLMEngine.from_dir(model_dir, dtype=settings.dtype, config=settings.engine_config(),
                                               stall_s=settings.stall_seconds)
         self.metrics.cpu_kernels(self.engine.engine.runner.cpu_kernels)
@@ -171,6 +187,62 @@ class TextGeneration:
         return Prepared(prompt_ids, params, fmt if req.tool_mode != "none" else None, tokenizer.reasoning,
                         tokenizer.reasoning and opens_thinking(text))
 
+    # ---- LoRA adapters ----------------------------------------------------------------------------------------
+    async def _follow_names(self, name: str) -> None:
+        """Bring this replica's registry in line with the app's record of adapter `name` before a request uses it:
+        load its folder where this replica lacks it or holds another one, forget it where it was unloaded (the
+        engine then raises AdapterNotFound naming it)."""
+        if not name or self.names is None:
+            return
+        folder = await self.names.folder.remote(name)
+        engine = self.engine.engine
+        held = engine.adapter_folders().get(name)
+        if folder is None and held is not None:
+            engine.unload_adapter(name)
+        elif folder is not None and held != Path(folder):
+            await asyncio.to_thread(engine.load_adapter, name, folder)
+        if folder is not None and serve.get_multiplexed_model_id() == name:
+            await self._resident(name)
+
+    @serve.multiplexed(max_num_models_per_replica=-1)
+    async def _resident(self, name: str) -> str:
+        """Ray Serve's model multiplexing, for routing only: the names reported here make Serve send a request whose
+        multiplexed model id is `name` to this replica first. The engine's registry keeps the weights (and evicts
+        them past max_cpu_loras, to be read again), so nothing is evicted here (-1)."""
+        return name
+
+    def _adapters(self) -> list[str]:
+        return self.engine.engine.adapters()
+
+    async def _adapter_names(self) -> list[str]:
+        """The adapters loaded in the app: the shared record's, else this replica's."""
+        return await self.names.names.remote() if self.names is not None else self._adapters()
+
+    @unary(text_pb2.LoadAdapterRequest, text_pb2.AdaptersResponse)
+    async def LoadAdapter(self, request: text_pb2.LoadAdapterRequest) -> text_pb2.AdaptersResponse:
+        req = parse(LoadAdapterIn, request)
+        engine = self.engine.engine
+        if engine.registry is None:
+            raise InvalidAdapter("this server loads no LoRA adapters (its text app has no `lora` serve config)")
+        # Read and checked here first: a folder that does not fit is refused before any replica would use it.
+        await asyncio.to_thread(engine.load_adapter, req.name, req.path)
+        if self.names is None:
+            return text_pb2.AdaptersResponse(adapters=self._adapters())
+        folder = engine.adapter_folders()[req.name]
+        return text_pb2.AdaptersResponse(adapters=await self.names.set.remote(req.name, str(folder)))
+
+    @unary(text_pb2.UnloadAdapterRequest, text_pb2.AdaptersResponse)
+    async def UnloadAdapter(self, request: text_pb2.UnloadAdapterRequest) -> text_pb2.AdaptersResponse:
+        req = parse(UnloadAdapterIn, request)
+        # The record first: from then on no replica starts a request with it.
+        recorded = self.names is not None and await self.names.remove.remote(req.name)
+        held = req.name in self.engine.engine.adapter_folders()
+        if held:
+            self.engine.engine.unload_adapter(req.name)
+        if not (recorded or held):
+            raise AdapterNotFound(f"adapter {req.name!r} is not loaded")
+        return text_pb2.AdaptersResponse(adapters=await self._adapter_names())
+
     async def _deltas(self, prompt_ids: list[int], params: SamplingParams, method: str) -> AsyncIterator[Delta]:
         """The engine's deltas as they come; closing this generator aborts the request in the engine."""
         start, first = time.perf_counter(), True
@@ -189,6 +261,7 @@ class TextGeneration:
     @unary(text_pb2.TextRequest, text_pb2.TextResponse)
     async def Generate(self, request: text_pb2.TextRequest) -> text_pb2.TextResponse:
         job = self._prepare(request)
+        await self._follow_names(job.params.adapter)
         reply = text_pb2.TextResponse(prompt_tokens=len(job.prompt_ids), seed=job.params.seed)
         texts: list[str] = []
         async with contextlib.aclosing(self._deltas(job.prompt_ids, job.params, "Generate")) as deltas:
@@ -207,6 +280,7 @@ class TextGeneration:
     @streaming(text_pb2.TextRequest)
     async def GenerateStream(self, request: text_pb2.TextRequest) -> AsyncIterator[text_pb2.TextChunk]:
         job = self._prepare(request)
+        await self._follow_names(job.params.adapter)
         reader = StreamParser(job.tool_format, job.new_call_id, reasoning=job.reasoning, thinking=job.thinking)
         async with contextlib.aclosing(self._deltas(job.prompt_ids, job.params, "GenerateStream")) as deltas:
             async for delta in deltas:
@@ -236,7 +310,8 @@ class TextGeneration:
         fields = text_pb2.ModelInfo.DESCRIPTOR.fields_by_name
         tokenizer = self.engine.tokenizer
         return text_pb2.ModelInfo(**{k: v for k, v in info.items() if k in fields},
-                                  tool_format=tokenizer.tool_format, reasoning=tokenizer.reasoning)
+                                  tool_format=tokenizer.tool_format, reasoning=tokenizer.reasoning,
+                                  adapters=await self._adapter_names())
 
     def token_texts(self, token_ids: list[int]) -> dict[int, str]:
         """Each token's text decoded on its own, as Tokenize's `tokens` (a deployment-handle method for the HTTP
@@ -259,4 +334,8 @@ class TextGeneration:
 
 
 def build(args: dict[str, Any] | None = None) -> Application:
-    return build_app("text", TextGeneration, args, TextArgs)
+    settings = TextArgs.model_validate(args or {})
+    if settings.lora is None:
+        return build_app("text", TextGeneration, args, TextArgs)
+    # The record of adapter names starts with the serve config's adapters, as every replica loads them at start.
+    return build_app("text", TextGeneration, args, TextArgs, AdapterNames.bind(settings.lora.folders()))

@@ -18,7 +18,10 @@ from genserve.services.text.engine.params import (
     MAX_LOGPROBS,
     MIN_REPETITION_PENALTY,
     MIN_TEMPERATURE,
+    AdapterCapacityExceeded,
+    AdapterNotFound,
     EngineOverloaded,
+    InvalidAdapter,
     InvalidGrammar,
     InvalidJsonSchema,
     InvalidRegex,
@@ -50,6 +53,17 @@ MAX_TOOL_CALLS = 16
 TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 TOOL_CHOICES = ("", "auto", "none", "required", "function")
 REASONING_EFFORTS = ("", "low", "medium", "high")
+# A LoRA adapter's name: what TextRequest.adapter and OpenAI's `model` carry, and a Ray Serve multiplexed model id
+# (gRPC metadata), so printable ASCII only, as Hugging Face repo ids ("org/name-lora") are.
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
+ADAPTER_NAME_RULE = "1..128 of A-Z a-z 0-9 . _ - : / @ +, starting with a letter or digit"
+MAX_ADAPTER_PATH = 4096
+
+
+def _adapter_name(name: str) -> str:
+    if not ADAPTER_NAME.fullmatch(name):
+        raise ValueError(f"must be {ADAPTER_NAME_RULE}")
+    return name
 
 
 def _json_object(text: str, what: str) -> dict:
@@ -176,6 +190,12 @@ class TextIn(Request):
     parallel_tool_calls: bool = False
     enable_thinking: bool | None = None
     reasoning_effort: str = ""
+    adapter: str = ""  # a loaded LoRA adapter's name; "": the base model
+
+    @field_validator("adapter")
+    @classmethod
+    def _adapter_name_or_base(cls, adapter: str) -> str:
+        return _adapter_name(adapter) if adapter else adapter
 
     @field_validator("temperature")
     @classmethod
@@ -271,6 +291,7 @@ class TextIn(Request):
             min_p=self.min_p, repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=resolve_seed(self.seed), stop=tuple(self.stop),
             logprobs=self.logprobs, json_schema=self.json_schema, regex=self.regex, grammar=grammar,
+            adapter=self.adapter,
         )
 
 
@@ -294,6 +315,23 @@ class TokenizeIn(Request):
         return _prompt_or_messages(text, info, "text")
 
 
+class UnloadAdapterIn(Request):
+    name: str
+
+    _name = field_validator("name")(_adapter_name)
+
+
+class LoadAdapterIn(UnloadAdapterIn):
+    path: str = Field(min_length=1, max_length=MAX_ADAPTER_PATH)
+
+    @field_validator("path")
+    @classmethod
+    def _no_nul(cls, path: str) -> str:
+        if "\0" in path:
+            raise ValueError("must not contain NUL characters")
+        return path
+
+
 # The engine's errors that are the caller's doing or a full queue, as (status, the request field they name).
 KNOWN_ERRORS: dict[type[Exception], tuple[grpc.StatusCode, str | None]] = {
     PromptTooLong: (grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
@@ -302,4 +340,8 @@ KNOWN_ERRORS: dict[type[Exception], tuple[grpc.StatusCode, str | None]] = {
     InvalidGrammar: (grpc.StatusCode.INVALID_ARGUMENT, "tools"),
     EngineOverloaded: (grpc.StatusCode.RESOURCE_EXHAUSTED, None),
     NoChatTemplate: (grpc.StatusCode.FAILED_PRECONDITION, "messages"),
+    # LoRA (engine/adapters.py): their messages name the adapter, the path or the tensor.
+    AdapterNotFound: (grpc.StatusCode.NOT_FOUND, "adapter"),
+    AdapterCapacityExceeded: (grpc.StatusCode.RESOURCE_EXHAUSTED, "adapter"),
+    InvalidAdapter: (grpc.StatusCode.INVALID_ARGUMENT, "path"),
 }

@@ -4,14 +4,17 @@ dtype -> the runner; GetModelInfo reports what took effect (docs/deploy.md lists
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from genserve.services.common.builder import AppArgs
+from genserve.services.text.engine.adapters import LoraConfig
 from genserve.services.text.engine.engine import EngineConfig
 from genserve.services.text.engine.progress import DEFAULT_STALL_S
 from genserve.services.text.engine.speculative import SpeculativeConfig
+from genserve.services.text.schema import ADAPTER_NAME, ADAPTER_NAME_RULE
 
 
 class SpeculativeArgs(BaseModel):
@@ -37,6 +40,39 @@ class SpeculativeArgs(BaseModel):
                                  ngram_max=self.ngram_max, max_batch=self.max_batch)
 
 
+class LoraArgs(BaseModel):
+    """`lora:` in the serve config: PEFT adapters over the base model (services/text/engine/adapters.py), loaded at
+    start from `adapters` and at run time by the admin calls (LoadAdapter, POST /v1/load_lora_adapter)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # Adapters load only from folders under this one (symlinks resolved); a path outside it is refused.
+    root: str = Field(min_length=1)
+    max_loras: int = Field(LoraConfig.max_loras, ge=1, le=64)  # distinct adapters in one batch (the runner's slots)
+    max_cpu_loras: int = Field(LoraConfig.max_cpu_loras, ge=1, le=1024)  # adapters kept in memory, LRU past that
+    max_lora_rank: int = Field(LoraConfig.max_lora_rank, ge=1, le=512)
+    # name -> folder (relative to root, or absolute under it), loaded on every replica at start
+    adapters: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _fits(self) -> LoraArgs:
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError("max_cpu_loras: must be >= max_loras (a batch's adapters are all in memory)")
+        for name in self.adapters:
+            if not ADAPTER_NAME.fullmatch(name):
+                raise ValueError(f"adapters: {name!r} is not an adapter name ({ADAPTER_NAME_RULE})")
+        return self
+
+    def folders(self) -> dict[str, str]:
+        """The start-up adapters' folders resolved as the engine's registry resolves them (the root's symlinks too)."""
+        root = Path(self.root).resolve()
+        return {name: str((root / path).resolve()) for name, path in self.adapters.items()}
+
+    def config(self) -> LoraConfig:
+        return LoraConfig(root=self.root, max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras,
+                          max_lora_rank=self.max_lora_rank, adapters=tuple(self.adapters.items()))
+
+
 class TextArgs(AppArgs):
     # "auto": bfloat16 on CUDA, float32 on the CPU; "int8": int8 weight-only linear layers.
     dtype: Literal["auto", "float32", "bfloat16", "float16", "int8"] = "auto"
@@ -55,6 +91,8 @@ class TextArgs(AppArgs):
     stall_seconds: float = Field(DEFAULT_STALL_S, gt=0, le=3600)
     # Exact speculative decoding (engine/speculative.py); absent: off.
     speculative: SpeculativeArgs | None = None
+    # LoRA adapters (docs/deploy.md); absent: none may be loaded, and the model runs without the LoRA hooks.
+    lora: LoraArgs | None = None
 
     @model_validator(mode="after")
     def _one_kv_budget(self) -> TextArgs:
@@ -68,4 +106,5 @@ class TextArgs(AppArgs):
             max_batched_tokens=self.max_batched_tokens, max_running=self.max_running,
             max_lookahead=self.max_lookahead, cuda_graphs=self.cuda_graphs, prefix_caching=self.prefix_caching,
             speculative=self.speculative.config() if self.speculative is not None else None,
+            lora=self.lora.config() if self.lora is not None else None,
         )

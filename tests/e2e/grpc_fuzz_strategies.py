@@ -274,6 +274,12 @@ def regexes() -> st.SearchStrategy[str]:
     return weighted((4, st.sampled_from(REGEXES)), (8, generated), (1, deep))
 
 
+def adapter_names() -> st.SearchStrategy[str]:
+    """LoRA adapter names: ones a server may hold, at and past the length and charset limits, and any text."""
+    return weighted((4, st.sampled_from(["a", "org/name-lora", "x" * 128, "x" * 129, "-a", "a b", "é"])),
+                    (2, st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,20}", fullmatch=True)), (1, texts()))
+
+
 def targeted() -> dict[str, st.SearchStrategy]:
     """Field full name -> values that reach past validation or probe what the descriptor cannot tell."""
     small = st.integers
@@ -300,6 +306,12 @@ def targeted() -> dict[str, st.SearchStrategy]:
         ),
         "genserve.v1.TextRequest.json_schema": json_schemas(),
         "genserve.v1.TextRequest.regex": regexes(),
+        "genserve.v1.TextRequest.adapter": adapter_names(),
+        "genserve.v1.LoadAdapterRequest.name": adapter_names(),
+        "genserve.v1.LoadAdapterRequest.path": weighted(
+            (4, st.sampled_from(["a", "adapters/a", "../a", "/", "/etc", "a/../../b", "x" * 4097, "a\0b"])),
+            (2, texts())),
+        "genserve.v1.UnloadAdapterRequest.name": adapter_names(),
         "genserve.v1.GanSampleRequest.num_images": small(1, 4),
         "genserve.v1.GanSampleRequest.truncation": st.floats(0, 5, width=32),
         "genserve.v1.GanInterpolateRequest.steps": weighted((20, small(2, 6)), (1, st.sampled_from([64, 65]))),
@@ -327,6 +339,7 @@ PRESENCE = {
     "genserve.v1.TextRequest.messages": 0.4,
     "genserve.v1.TextRequest.json_schema": 0.1,
     "genserve.v1.TextRequest.regex": 0.1,
+    "genserve.v1.TextRequest.adapter": 0.1,  # a name not loaded ends the request at NOT_FOUND, before the engine
     "genserve.v1.TokenizeRequest.text": 0.6,
     "genserve.v1.TokenizeRequest.messages": 0.4,
 }

@@ -4,6 +4,10 @@ The stack takes the keys of a key file (one plain key, one `sha256:` line) and o
 small rate limits from its serve config: the `gan` app one request per 3 s (burst 2), the `text` app 2 generated
 tokens a second (burst 2), the `http` app one request per 3 s (burst 3). Only text, gan, http and health are deployed.
 Each limit test has a key of its own, so the buckets of one test never leak into another.
+
+The text app also serves LoRA adapters from a root folder of the stack's own (serve config `lora`), loaded at run
+time with the admin keys of GENSERVE_ADMIN_KEYS (issue 33): a random adapter of the demo text model, which the
+stack serves unless GENSERVE_TEXT_MODEL points elsewhere.
 """
 
 from __future__ import annotations
@@ -26,11 +30,15 @@ from genserve.services.client import errors as client_errors
 from genserve.services.common.auth import BAD_KEY
 from tests.e2e.playground import ask, chromium, page_at, wait_ready
 from tests.e2e.serve_configs import serve_config
+from tests.services.text.lora_helpers import demo_adapter
 
 pytestmark = pytest.mark.e2e
 
 PLAIN, HASHED, GAN_LIMITED, TEXT_LIMITED, HTTP_LIMITED = "e2e-plain-key", "e2e-hashed-key", "gan-k", "text-k", "http-k"
 BROWSER = "browser-k"  # the playground's (tests/e2e/playground.py): a bucket of its own under the http limit
+# LoRA: two admin keys and two plain ones, so each stays within the http app's burst of 3 requests.
+ADMIN, ADMIN_2, LORA_USER, LORA_USER_2 = "lora-admin-k", "lora-admin-2-k", "lora-user-k", "lora-user-2-k"
+KEYS = (PLAIN, HASHED, GAN_LIMITED, TEXT_LIMITED, HTTP_LIMITED, BROWSER, ADMIN, ADMIN_2, LORA_USER, LORA_USER_2)
 APPS = ("text", "gan", "http", "health")
 LIMITS = {
     "gan": {"requests_per_minute": 20, "requests_burst": 2},
@@ -45,9 +53,15 @@ def keyed(serve, base_port: int, tmp_path_factory: pytest.TempPathFactory) -> It
     folder = tmp_path_factory.mktemp("auth")
     keys = folder / "keys"
     keys.write_text(f"# e2e keys\n{PLAIN}\nsha256:{hashlib.sha256(HASHED.encode()).hexdigest()}\n")
-    config = serve_config(folder, APPS, {app: {"rate_limits": limits} for app, limits in LIMITS.items()})
+    lora_root = folder / "lora"
+    demo_adapter(lora_root / "adapter-a", seed=1)
+    demo_adapter(folder / "outside" / "adapter-b", seed=2)  # a real adapter, but not under the root
+    args = {app: {"rate_limits": limits} for app, limits in LIMITS.items()}
+    args["text"]["lora"] = {"root": str(lora_root), "max_loras": 2, "max_cpu_loras": 2, "max_lora_rank": 8}
+    config = serve_config(folder, APPS, args)
     env = {"GENSERVE_API_KEYS_FILE": str(keys),
-           "GENSERVE_API_KEYS": f"{GAN_LIMITED},{TEXT_LIMITED},{HTTP_LIMITED},{BROWSER}"}
+           "GENSERVE_API_KEYS": f"{GAN_LIMITED},{TEXT_LIMITED},{HTTP_LIMITED},{BROWSER},{LORA_USER},{LORA_USER_2}",
+           "GENSERVE_ADMIN_KEYS": f"{ADMIN},{ADMIN_2}"}
     with serve(base_port + 50, folder / "serve.log", "--config", str(config), env=env) as stack:
         yield stack
 
@@ -76,8 +90,8 @@ def test_grpc_with_a_plain_or_a_hashed_key_is_served(keyed, key: str) -> None:
 
 def test_the_log_says_keys_are_required_and_never_shows_one(keyed) -> None:
     log = keyed.log.read_text(errors="replace")
-    assert "auth: API keys required (6 configured)" in log
-    assert not any(key in log for key in (PLAIN, HASHED, GAN_LIMITED, TEXT_LIMITED, HTTP_LIMITED, BROWSER))
+    assert "auth: API keys required (10 configured), 2 of them admin" in log
+    assert not any(key in log for key in KEYS)
 
 
 def test_health_needs_no_key(keyed) -> None:
@@ -168,3 +182,54 @@ def test_the_playground_asks_for_a_key_and_works_with_it(keyed) -> None:
         assert page.locator(".message.assistant:last-child").get_attribute("data-state") == "done"
         assert page.evaluate("[sessionStorage.getItem('genserve.apiKey'), localStorage.getItem('genserve.apiKey')]"
                              ) == [BROWSER, None]  # kept for the session only: "remember" was not ticked
+
+
+def post(stack, path: str, body: dict, key: str | None) -> tuple[int, dict | str]:
+    """POST a JSON body to the HTTP API: the status and the reply (an error object, or vLLM's text)."""
+    headers = {"content-type": "application/json"} | ({"authorization": f"Bearer {key}"} if key else {})
+    request = urllib.request.Request(f"{stack.http_url}{path}", json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())["error"]
+
+
+def test_lora_adapter_loaded_over_http_used_by_the_openai_client_then_unloaded(keyed) -> None:
+    """Issue 33's Done-when 3, through the stack: vLLM's admin routes, `model=` the adapter, 404 once unloaded."""
+    load = {"lora_name": "adapter-a", "lora_path": "adapter-a"}
+    assert post(keyed, "/load_lora_adapter", load, None)[0] == 401  # without the admin key
+    status, error = post(keyed, "/load_lora_adapter", load, LORA_USER)
+    assert status == 403 and error["code"] == "permission_denied"
+    assert post(keyed, "/load_lora_adapter", load, ADMIN) == (
+        200, "Success: LoRA adapter 'adapter-a' added successfully.")
+    status, error = post(keyed, "/load_lora_adapter", {"lora_name": "b", "lora_path": "../outside/adapter-b"}, ADMIN)
+    assert status == 400 and error["param"] == "lora_path" and "outside the adapter root" in error["message"]
+
+    with http(keyed, LORA_USER) as api:
+        models = {m.id: m for m in api.models.list()}
+        assert set(models) == {"text", "adapter-a", "diffusion"}
+        assert models["adapter-a"].model_extra["parent"] == "text"
+        reply = api.chat.completions.create(model="adapter-a", messages=CHAT, max_tokens=3, temperature=0)
+        assert reply.model == "adapter-a" and reply.usage.completion_tokens >= 1
+        assert post(keyed, "/unload_lora_adapter", {"lora_name": "adapter-a"}, ADMIN) == (
+            200, "Success: LoRA adapter 'adapter-a' removed successfully.")
+        with pytest.raises(openai.NotFoundError) as unloaded:
+            api.chat.completions.create(model="adapter-a", messages=CHAT, max_tokens=3, temperature=0)
+    assert unloaded.value.body["code"] == "model_not_found" and "'adapter-a'" in unloaded.value.body["message"]
+    status, error = post(keyed, "/unload_lora_adapter", {"lora_name": "adapter-a"}, ADMIN_2)
+    assert status == 404 and "'adapter-a'" in error["message"]
+    with http(keyed, LORA_USER_2) as api, pytest.raises(openai.NotFoundError) as unknown:
+        api.completions.create(model="nobody", prompt="The", max_tokens=2)
+    assert unknown.value.body["code"] == "model_not_found" and "'nobody'" in unknown.value.body["message"]
+
+
+def test_lora_over_grpc_needs_an_admin_key_and_an_unloaded_adapter_is_not_found(keyed) -> None:
+    with Client(keyed.address, timeout=60, api_key=LORA_USER_2) as client:
+        with pytest.raises(client_errors.PermissionDenied):
+            client.load_adapter("adapter-a", "adapter-a")
+        with pytest.raises(client_errors.NotFound) as unknown:
+            client.generate("The", max_tokens=1, adapter="adapter-gone")
+    assert "'adapter-gone'" in unknown.value.details
+    with Client(keyed.address, timeout=60) as client, pytest.raises(client_errors.Unauthenticated):
+        client.unload_adapter("adapter-a")

@@ -51,6 +51,10 @@ class AdapterRegistry:
     def names(self) -> list[str]:
         return sorted(self._folders)
 
+    def folders(self) -> dict[str, Path]:
+        """Each registered adapter's resolved folder, by name."""
+        return dict(self._folders)
+
     def folder(self, path: str | Path) -> Path:
         """``path`` (relative to the root, or absolute) resolved, symlinks included; InvalidAdapter when it is not
         under the root."""

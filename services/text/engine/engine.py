@@ -16,6 +16,7 @@ import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -152,6 +153,13 @@ class LLMEngine:
             return []
         with self._adapter_lock:
             return self.registry.names()
+
+    def adapter_folders(self) -> dict[str, Path]:
+        """Each loaded adapter's folder (resolved), by name: what a replica compares with the app's shared names."""
+        if self.registry is None:
+            return {}
+        with self._adapter_lock:
+            return self.registry.folders()
 
     def _acquire_adapter(self, name: str):
         if not name:

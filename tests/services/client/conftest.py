@@ -23,6 +23,7 @@ def png() -> bytes:
 class FakeText(text_pb2_grpc.TextGenerationServicer):
     def __init__(self, seen: list) -> None:
         self.seen = seen
+        self.adapters: set[str] = set()
 
     def Generate(self, request, context):
         self.seen.append((dict(context.invocation_metadata()).get("application"), request))
@@ -43,7 +44,18 @@ class FakeText(text_pb2_grpc.TextGenerationServicer):
 
     def GetModelInfo(self, request, context):
         authorization = dict(context.invocation_metadata()).get("authorization")
-        return text_pb2.ModelInfo(model_name=authorization or "fake-model")
+        return text_pb2.ModelInfo(model_name=authorization or "fake-model", adapters=sorted(self.adapters))
+
+    def LoadAdapter(self, request, context):
+        self.seen.append((dict(context.invocation_metadata()).get("application"), request))
+        self.adapters.add(request.name)
+        return text_pb2.AdaptersResponse(adapters=sorted(self.adapters))
+
+    def UnloadAdapter(self, request, context):
+        if request.name not in self.adapters:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"adapter: adapter {request.name!r} is not loaded")
+        self.adapters.discard(request.name)
+        return text_pb2.AdaptersResponse(adapters=sorted(self.adapters))
 
 
 class FakeGan(gan_pb2_grpc.ImageGanServicer):

@@ -132,3 +132,16 @@ def test_the_api_key_comes_from_the_flag_before_or_after_the_subcommand_or_the_e
 def test_no_server_is_said_plainly(capsys) -> None:
     assert main(["info", "--address", "127.0.0.1:1", "--timeout", "2"]) == 1
     assert capsys.readouterr().err == "genserve: no genserve server at 127.0.0.1:1 — start one with `make serve`\n"
+
+
+def test_adapters_load_list_unload_and_text_with_an_adapter(fake_server, capsys) -> None:
+    address, seen = fake_server
+    assert main(["--address", address, "adapters", "load", "sql", "loras/sql"]) == 0
+    assert (seen[-1][1].name, seen[-1][1].path) == ("sql", "loras/sql")
+    assert main(["--address", address, "adapters", "list"]) == 0
+    assert main(["--address", address, "text", "hi", "--adapter", "sql"]) == 0
+    assert seen[-1][1].adapter == "sql"
+    assert main(["--address", address, "adapters", "unload", "sql"]) == 0
+    assert capsys.readouterr().out == "sql\nsql\nih\n\n"
+    assert main(["--address", address, "adapters", "unload", "sql"]) == 1
+    assert capsys.readouterr().err == "genserve: NOT_FOUND: adapter: adapter 'sql' is not loaded\n"

@@ -10,6 +10,7 @@ import pytest
 from genserve.services.client import AsyncClient, Client
 from genserve.services.client import errors as client_errors
 from genserve.services.client.requests import diffusion_request, gan_sample_request, text_request
+from genserve.services.client.sync import metadata
 
 
 def test_requests_leave_unset_options_unset() -> None:
@@ -117,3 +118,26 @@ def test_a_refusal_carries_the_servers_retry_after(fake_server) -> None:
         return refused.value.retry_after_s
 
     assert asyncio.run(aio()) == 3.0
+
+
+def test_an_adapter_goes_in_the_request_and_as_the_multiplexed_model_id() -> None:
+    assert text_request("hi", adapter="sql").adapter == "sql" and not text_request("hi").HasField("adapter")
+    assert metadata("text", "k", "sql") == (("application", "text"), ("authorization", "Bearer k"),
+                                            ("multiplexed_model_id", "sql"))
+    assert metadata("text") == (("application", "text"),)
+
+
+def test_adapters_load_and_unload_sync_and_async(fake_server) -> None:
+    address, _ = fake_server
+    with Client(address, timeout=5) as client:
+        assert client.load_adapter("a", "loras/a") == ["a"]
+        assert list(client.model_info().adapters) == ["a"]
+
+    async def unload() -> list[str]:
+        async with AsyncClient(address, timeout=5) as client:
+            await client.load_adapter("b", "loras/b")
+            return await client.unload_adapter("a")
+
+    assert asyncio.run(unload()) == ["b"]
+    with Client(address, timeout=5) as client, pytest.raises(client_errors.NotFound):
+        client.unload_adapter("a")

@@ -1,5 +1,5 @@
-"""API keys (plain and `sha256:` lines, env and file), the bearer header, and the peer rule on the peer strings gRPC
-and HTTP servers report."""
+"""API keys (plain and `sha256:` lines, env and file), admin keys, the bearer header, and the peer rule on the peer
+strings gRPC and HTTP servers report."""
 
 from __future__ import annotations
 
@@ -9,18 +9,21 @@ from pathlib import Path
 import pytest
 
 from genserve.services.common.auth import (
+    ADMIN_KEYS_ENV,
     BAD_KEY,
     INSECURE_ENV,
     KEYS_ENV,
     KEYS_FILE_ENV,
+    NOT_ADMIN,
     REMOTE_NEEDS_KEY,
     Access,
     bearer,
     grpc_peer_host,
     is_local,
     load_digests,
+    load_keys,
 )
-from genserve.services.common.errors import Unauthenticated
+from genserve.services.common.errors import PermissionDenied, Unauthenticated
 
 PLAIN, HASHED = "k-plain-123", "k-hashed-456"
 
@@ -138,3 +141,31 @@ def test_the_start_up_line_says_what_is_served_and_never_a_key(key_file: Path) -
     described = Access.from_env({KEYS_FILE_ENV: str(key_file), KEYS_ENV: "a"}).describe()
     assert described == "auth: API keys required (3 configured)"
     assert PLAIN not in described
+
+
+def test_admin_keys_come_from_their_env_list_and_admin_lines_and_are_api_keys_too(key_file: Path) -> None:
+    key_file.write_text(key_file.read_text() + f"admin:root-key\nadmin:sha256:{sha('hashed-root').hex()}\n")
+    digests, admin = load_keys({KEYS_FILE_ENV: str(key_file), ADMIN_KEYS_ENV: "env-root"})
+    assert admin == (sha("env-root"), sha("root-key"), sha("hashed-root"))
+    assert set(admin) < set(digests) and {sha(PLAIN), sha(HASHED)} < set(digests)
+    access = Access.from_env({KEYS_FILE_ENV: str(key_file), ADMIN_KEYS_ENV: "env-root"})
+    assert access.describe() == "auth: API keys required (5 configured), 3 of them admin"
+    assert access.caller("Bearer root-key", "10.0.0.1") == access.admin("Bearer root-key", "10.0.0.1")
+
+
+def test_an_admin_call_needs_an_admin_key_whenever_keys_are_set(key_file: Path) -> None:
+    access = Access.from_env({KEYS_FILE_ENV: str(key_file), ADMIN_KEYS_ENV: "root"})
+    assert access.admin("Bearer root", "127.0.0.1") == "key:" + sha("root").hex()
+    with pytest.raises(PermissionDenied, match=f"^{NOT_ADMIN.replace('(', '.').replace(')', '.')}$"):
+        access.admin(f"Bearer {PLAIN}", "127.0.0.1")
+    for header in (None, "Bearer wrong"):
+        with pytest.raises(Unauthenticated, match=BAD_KEY[:20]):
+            access.admin(header, "127.0.0.1")
+    with pytest.raises(PermissionDenied):  # keys but no admin key: nobody loads adapters at run time
+        Access.from_env({KEYS_FILE_ENV: str(key_file)}).admin(f"Bearer {PLAIN}", "127.0.0.1")
+
+
+def test_without_keys_an_admin_call_follows_the_peer_rule() -> None:
+    assert Access.from_env({}).admin(None, "127.0.0.1") == "host:127.0.0.1"
+    with pytest.raises(Unauthenticated, match=REMOTE_NEEDS_KEY):
+        Access.from_env({}).admin(None, "10.0.0.1")

@@ -10,8 +10,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from genserve.services.common.auth import BAD_KEY, REMOTE_NEEDS_KEY, Access, digest
-from genserve.services.common.errors import RateLimited, Unauthenticated
+from genserve.services.common.auth import BAD_KEY, NOT_ADMIN, REMOTE_NEEDS_KEY, Access, digest
+from genserve.services.common.errors import PermissionDenied, RateLimited, Unauthenticated
 from genserve.services.common.gate import RETRY_AFTER, Gate
 from genserve.services.common.metrics import ServiceMetrics
 from genserve.services.common.rate_limit import RateLimits
@@ -156,6 +156,43 @@ def test_an_http_refusal_is_an_openai_error_with_the_callers_retry_after() -> No
     body = json.loads(limited.body)["error"]
     assert (body["type"], body["code"]) == ("rate_limit_error", "rate_limit_exceeded")
     assert body["message"] == "rate limit of tokens reached for this caller; retry in 7 s"
+
+
+class Admin:
+    """A service whose LoadAdapter is an admin call, as the text app's."""
+
+    def __init__(self, access: Access) -> None:
+        self.metrics = ServiceMetrics("test")
+        self.gate = Gate(access, None, (text_pb2.LoadAdapterRequest,))
+
+    @unary(text_pb2.LoadAdapterRequest, text_pb2.AdaptersResponse)
+    async def LoadAdapter(self, request: text_pb2.LoadAdapterRequest) -> text_pb2.AdaptersResponse:
+        return text_pb2.AdaptersResponse(adapters=[request.name])
+
+
+def test_an_admin_rpc_needs_an_admin_key_when_keys_are_set() -> None:
+    service = Admin(Access((digest(KEY), digest("root")), admin_digests=(digest("root"),)))
+
+    def load(context: Context | None) -> text_pb2.AdaptersResponse:
+        return asyncio.run(service.LoadAdapter(text_pb2.LoadAdapterRequest(name="a", path="a"), grpc_context=context))
+
+    assert list(load(Context(REMOTE, "root")).adapters) == ["a"]
+    assert list(load(None).adapters) == ["a"]  # a deployment-handle call: the HTTP ingress checked its caller
+    for key, code, details in ((KEY, grpc.StatusCode.PERMISSION_DENIED, NOT_ADMIN),
+                               (None, grpc.StatusCode.UNAUTHENTICATED, BAD_KEY)):
+        refused = Context(LOCAL, key)
+        assert load(refused) == text_pb2.AdaptersResponse()
+        assert (refused.code, refused.details) == (code, details)
+    open_here = Admin(Access())
+    assert list(asyncio.run(open_here.LoadAdapter(text_pb2.LoadAdapterRequest(name="b"), grpc_context=Context())
+                            ).adapters) == ["b"]
+
+
+def test_an_http_admin_route_without_an_admin_key_is_403() -> None:
+    denied = refusal(PermissionDenied(NOT_ADMIN))
+    assert denied.status_code == 403
+    assert json.loads(denied.body)["error"] == {"message": NOT_ADMIN, "type": "invalid_request_error", "param": None,
+                                                "code": "permission_denied"}
 
 
 def test_the_fake_context_has_only_methods_of_ray_serves_grpc_context() -> None:

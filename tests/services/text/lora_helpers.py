@@ -40,3 +40,29 @@ def peft_greedy(base, adapter_dir: Path | None, prompt: list[int], n: int) -> li
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                              pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def demo_adapter(directory: Path, seed: int, r: int = 4) -> Path:
+    """A random rank-``r`` PEFT adapter of q_proj and v_proj for the committed demo text model
+    (services/text/weights: 4 layers, width 256, 2 KV heads of 64), written without peft, so a test that only serves
+    it needs neither peft nor transformers."""
+    import json
+
+    from safetensors.torch import save_file
+
+    config = json.loads((Path(__file__).resolve().parents[3] / "services/text/weights/config.json").read_text())
+    width = config["hidden_size"]
+    outs = {"q_proj": config["num_attention_heads"] * config["head_dim"],
+            "v_proj": config["num_key_value_heads"] * config["head_dim"]}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, out in outs.items():
+            key = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{key}.lora_A.weight"] = 0.15 * torch.randn(r, width, generator=gen)
+            tensors[f"{key}.lora_B.weight"] = 0.15 * torch.randn(out, r, generator=gen)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    (directory / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": list(outs)}))
+    return directory
