@@ -18,7 +18,10 @@ Prints medians with min-max over ``--repeats`` runs and the ratios against HF.
 
 With ``--arch moe`` or ``--arch mla`` the random checkpoint is a Qwen3-MoE (16 experts, top 4) or a DeepSeek-V3-shaped
 model with multi-head latent attention and dense FFNs (issue 31), benched as (a) and (b) in fp32 against HF, with
-the KV-cache bytes per token beside those of the same width's MHA and GQA (the Llama config's 2 KV heads).
+the KV-cache bytes per token beside those of the same width's MHA and GQA (the Llama config's 2 KV heads). With
+``--arch gemma3`` it is a Gemma 3 (every 6th layer global, the others sliding over 128 tokens), benched the same way,
+and the script also prints how many tokens one request can hold in the same KV budget with the hybrid allocation
+(engine/kv_cache.py: sliding layers keep only their window's blocks) and without it.
 
 With ``--speculative ngram`` (issue 34) the default model, SmolLM2-135M-Instruct Q4_1 kept quantised, runs with and
 without n-gram speculation (engine/speculative.py) side by side, greedy: an input-grounded task at batch 1 (quoting
@@ -61,13 +64,16 @@ FULL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidde
             num_key_value_heads=2, max_position_embeddings=1024)
 SMALL = dict(FULL, hidden_size=128, intermediate_size=256, num_hidden_layers=2, vocab_size=4096)
 # --arch: the same width and depth; MoE with 16 experts of FFN width 512, top 4 (about 4x the Llama's FFN weights,
-# the same FFN compute per token); MLA with a 96 + 32 wide latent entry per token and layer, 1/8 of MHA's 2 x 8 x 64.
+# the same FFN compute per token); MLA with a 96 + 32 wide latent entry per token and layer, 1/8 of MHA's 2 x 8 x 64;
+# Gemma 3 with its own layer pattern (every 6th layer global: 7 sliding + 1 full of 8) and 128-token windows.
 ARCH_EXTRA = {
     "moe": dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=512, norm_topk_prob=True, head_dim=64),
     "mla": dict(num_key_value_heads=8, kv_lora_rank=96, q_lora_rank=256, qk_rope_head_dim=32, qk_nope_head_dim=64,
                 v_head_dim=64, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
                 first_k_dense_replace=FULL["num_hidden_layers"], n_group=1, topk_group=1),
+    "gemma3": dict(head_dim=64, sliding_window=128, query_pre_attn_scalar=64),
 }
+HYBRID_BUDGET = 64 * 2**20  # the KV-cache bytes both allocations get in the hybrid line
 PROMPT_LEN, NEW_TOKENS, CONCURRENT = 32, 128, 16
 SYSTEM_LEN, USER_LEN = 512, 32
 HF = "HF fp32"
@@ -102,7 +108,8 @@ def hf_checkpoint(cfg: dict, directory: Path, arch: str = "llama"):
     torch.manual_seed(0)
     cls_cfg, cls_model = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                           "moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
-                          "mla": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM)}[arch]
+                          "mla": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+                          "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM)}[arch]
     extra = dict(ARCH_EXTRA.get(arch, {}))
     if arch == "mla":  # every layer dense, however many the config has
         extra["first_k_dense_replace"] = cfg["num_hidden_layers"]
@@ -535,12 +542,29 @@ def bench_speculative(args: argparse.Namespace) -> int:
     return 0
 
 
+def hybrid_line(directory: Path) -> str:
+    """Tokens one request alone can hold in ``HYBRID_BUDGET`` bytes of KV cache with the hybrid allocation and
+    without it (LLMEngine.kv_tokens_fit: blocks counted, nothing timed)."""
+    fit = {}
+    for hybrid in (True, False):
+        engine = LLMEngine(load_model(directory, "float32"), NullTokenizer(),
+                           EngineConfig(kv_cache_bytes=HYBRID_BUDGET, hybrid_kv_cache=hybrid))
+        fit[hybrid] = engine.kv_tokens_fit
+    kinds = ", ".join(f"{k['n_layers']} {k['kind']}" + (f" over {k['window']} tokens" if k["window"] else "")
+                      for k in engine.kv_layer_kinds)
+    return (f"KV tokens one request can hold in {HYBRID_BUDGET / 2**20:.0f} MiB ({kinds}, block size "
+            f"{engine.blocks.block_size}): {fit[True]} with the hybrid allocation, {fit[False]} without: "
+            f"{fit[True] / fit[False]:.2f}x (goal, issue 31: >= 3x for a Gemma-3-shaped model)")
+
+
 def bench_arch(args: argparse.Namespace) -> int:
-    """(a) and (b) for a MoE or MLA checkpoint, fp32 engine against HF, and the KV bytes per token."""
+    """(a) and (b) for a MoE, MLA or Gemma 3 checkpoint, fp32 engine against HF, and the KV bytes per token (for
+    Gemma 3, the tokens that fit with the hybrid allocation and without)."""
     cfg = SMALL if args.small else FULL
     with tempfile.TemporaryDirectory() as tmp:
         hf = hf_checkpoint(cfg, Path(tmp), args.arch)
         engine = engine_for(Path(tmp), "float32", args.max_lookahead)
+        hybrid = hybrid_line(Path(tmp)) if args.arch == "gemma3" else None
     prompt = torch.randint(1, cfg["vocab_size"], (PROMPT_LEN,), generator=torch.Generator().manual_seed(1)).tolist()
     prompts, budgets = mixed_requests(cfg["vocab_size"])
     if args.small:  # a smoke test: short prompts and budgets
@@ -555,6 +579,8 @@ def bench_arch(args: argparse.Namespace) -> int:
     summary = print_table(systems, runs)
     print(f"16 mixed: {summary[name][1] / summary[HF][1]:.2f}x HF")
     print(kv_line(engine, cfg))
+    if hybrid is not None:
+        print(hybrid)
     return 0
 
 
@@ -613,7 +639,7 @@ def main() -> int:
     parser.add_argument("--max-lookahead", type=int, default=EngineConfig.max_lookahead,
                         help="greedy decode steps per fused kernel call (1: one step per call)")
     parser.add_argument("--prefix-only", action="store_true", help="run (d), the prefix-caching TTFT, alone")
-    parser.add_argument("--arch", choices=("llama", "moe", "mla"), default="llama",
+    parser.add_argument("--arch", choices=("llama", "moe", "mla", "gemma3"), default="llama",
                         help="the random checkpoint's architecture (module docstring)")
     parser.add_argument("--speculative", choices=("ngram",), help="SmolLM2 Q4_1 with and without n-gram "
                                                                    "speculative decoding (module docstring)")

@@ -7,7 +7,9 @@ embedding and the K/V caches are fp32 or bf16.
 ``LayerWeights`` holds one layer's weights (pointers into the model's own tensors, which it keeps alive);
 ``StepKernel`` all layers plus the embedding, the final norm and the head, and reusable scratch per batch size.
 ``StepKernel.run(...)`` takes the step's token ids, positions, cache slots, block tables and context lengths and
-returns the logits: after the C call returns, the only tensor op of a step is allocating them.
+returns the logits: after the C call returns, the only tensor op of a step is allocating them. With a hybrid KV cache
+(services/text/engine/kv_cache.py) the layers fall into groups with tables of their own: the slots and tables then
+come per group, and each layer reads its group's.
 
 LoRA adapters (services/text/adapter_slots.py): a layer may hold, per projection, adapter slots A (slots, R, in),
 B (slots, out, R) with the scale folded in, and each slot's rank (slots,) int32; a step then takes each token's slot
@@ -107,7 +109,8 @@ class _StepInputs(ctypes.Structure):
     _fields_ = [(n, _P) for n in ("tokens", "positions", "slots", "tables", "lens", "embed", "cos", "sin", "h", "q",
                                   "k", "v", "att", "act")] + \
                [(n, _I64) for n in ("m", "block_size", "max_blocks", "vocab", "n_positions", "embed_bf16",
-                                    "cache_bf16")] + [("lora_slots", _P), ("lora_t", _P), ("lora_r", _I64)]
+                                    "cache_bf16")] + [("lora_slots", _P), ("lora_t", _P), ("lora_r", _I64)] + \
+               [("layer_groups", _P), ("n_groups", _I64)]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -231,31 +234,41 @@ class StepKernel:
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
             lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_caches: list[torch.Tensor],
-            v_caches: list[torch.Tensor], lora: torch.Tensor | None = None) -> torch.Tensor:
+            v_caches: list[torch.Tensor], lora: torch.Tensor | None = None, groups: torch.Tensor | None = None
+            ) -> torch.Tensor:
         """tokens, positions, slots (M,) int64; tables (M, max_blocks) and lens (M,) int32 (context length including
         the token) -> logits (M, vocab). Each token's k/v go into the caches (num_blocks, block_size, Hkv, D) at
         its slot. ``lora``: each token's adapter slot (M,) int32, -1 for none (None: no adapter in the step).
-        ValueError for a token id or position outside the embedding or RoPE tables."""
-        logits, _ = self._call(None, tokens, positions, slots, tables, lens, cos, sin, k_caches, v_caches, lora)
+        ``groups``: each layer's KV group (L,) int64 with slots (G, M) and tables (G, M, max_blocks), one per group
+        (None: one group, the shapes above). ValueError for a token id or position outside the embedding or RoPE
+        tables."""
+        logits, _ = self._call(None, tokens, positions, slots, tables, lens, cos, sin, k_caches, v_caches, lora,
+                               groups)
         return logits
 
     def greedy(self, steps: int, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                tables: torch.Tensor, lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], lora: torch.Tensor | None = None
-               ) -> torch.Tensor:
+               k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], lora: torch.Tensor | None = None,
+               groups: torch.Tensor | None = None) -> torch.Tensor:
         """``steps`` greedy decode steps in one call, each row's argmax fed back at its next position: the tokens
         (M, steps) int64. Arguments as for ``run``, for the first step; ``tables`` must already hold the blocks of
         every position up to positions + steps - 1 (ValueError otherwise, before anything is computed)."""
         if steps < 1:
             raise ValueError(f"decode step: steps must be >= 1, got {steps}")
-        _, out = self._call(steps, tokens, positions, slots, tables, lens, cos, sin, k_caches, v_caches, lora)
+        _, out = self._call(steps, tokens, positions, slots, tables, lens, cos, sin, k_caches, v_caches, lora, groups)
         return out
 
-    def _call(self, steps: int | None, tokens, positions, slots, tables, lens, cos, sin, k_caches, v_caches, lora
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _call(self, steps: int | None, tokens, positions, slots, tables, lens, cos, sin, k_caches, v_caches, lora,
+              groups) -> tuple[torch.Tensor, torch.Tensor | None]:
         m = tokens.shape[0]
-        ints = [*(_typed(t, torch.int64, (m,)) for t in (tokens, positions, slots)),
-                _typed(tables, torch.int32, (m, tables.shape[-1])), _typed(lens, torch.int32, (m,))]
+        lead: tuple[int, ...] = ()  # the group dimension of slots and tables
+        if groups is not None:
+            lead = (slots.shape[0],)
+            groups = _typed(groups, torch.int64, (len(self._layers),))  # kept alive until the call returns
+            if not bool(((groups >= 0) & (groups < lead[0])).all()):
+                raise ValueError(f"decode step: a layer's KV group is outside [0, {lead[0]})")
+        ints = [*(_typed(t, torch.int64, (m,)) for t in (tokens, positions)), _typed(slots, torch.int64, (*lead, m)),
+                _typed(tables, torch.int32, (*lead, m, tables.shape[-1])), _typed(lens, torch.int32, (m,))]
         if lora is not None:
             if not self._lora_rank:
                 raise ValueError("decode step: adapter slots given to a kernel built without LoRA (lora_rank 0)")
@@ -264,6 +277,7 @@ class StepKernel:
         step, (x, *_) = self._step_inputs(m)
         step.tokens, step.positions, step.slots, step.tables, step.lens = (t.data_ptr() for t in ints)
         step.lora_slots = _ptr(lora)
+        step.layer_groups, step.n_groups = _ptr(groups), lead[0] if lead else 1
         step.cos, step.sin, step.n_positions = cos.data_ptr(), sin.data_ptr(), cos.shape[0]
         step.block_size, step.max_blocks = k_caches[0].shape[1], tables.shape[-1]
         keys, values = self._cache_arrays(k_caches, v_caches)

@@ -50,10 +50,12 @@ typedef struct {
 enum { TQ, TK, TV, TO, TG, TU, TD };
 
 /* What one step shares across layers: per token its id, position, flat cache slot, block table row and context
- * length (incl. the token); the embedding (vocab, dim; fp32, or bf16 when embed_bf16) and the RoPE tables
- * (n_positions, D/2), read at each token's id and position; scratch h (M, dim), q/att (M, Hq*D), k/v (M, Hkv*D),
- * act (M, ffn); cache_bf16 when the K/V caches hold bf16. LoRA: lora_slots (M,) each token's adapter slot or -1
- * (NULL: no adapter row in the step), lora_t scratch (7, M, lora_r) for every projection's shrunk input. */
+ * length (incl. the token), the slots (n_groups, M) and tables (n_groups, M, max_blocks) once per KV group of a
+ * hybrid cache, layer l reading group layer_groups[l] (NULL: every layer group 0); the embedding (vocab, dim; fp32,
+ * or bf16 when embed_bf16) and the RoPE tables (n_positions, D/2), read at each token's id and position; scratch
+ * h (M, dim), q/att (M, Hq*D), k/v (M, Hkv*D), act (M, ffn); cache_bf16 when the K/V caches hold bf16. LoRA:
+ * lora_slots (M,) each token's adapter slot or -1 (NULL: no adapter row in the step), lora_t scratch (7, M, lora_r)
+ * for every projection's shrunk input. */
 typedef struct {
     const int64_t *tokens, *positions, *slots;
     const int32_t *tables, *lens;
@@ -64,6 +66,8 @@ typedef struct {
     const int32_t *lora_slots;
     float *lora_t;
     int64_t lora_r;
+    const int64_t *layer_groups;
+    int64_t n_groups;
 } StepInputs;
 
 static inline float dot(const float *a, const float *b, int64_t n) {
@@ -165,13 +169,14 @@ static void rotate(float *x, const float *cos, const float *sin, int64_t half) {
     }
 }
 
-/* softmax(q K^T * scale) V over positions [start, n) of token i's paged cache, for one query head; row: scratch
- * of d floats for a widened bf16 cache row. */
-static void attend(const LayerWeights *W, const StepInputs *S, const void *k_cache, const void *v_cache,
+/* softmax(q K^T * scale) V over positions [start, n) of token i's paged cache, for one query head, through the
+ * block tables of KV group grp; row: scratch of d floats for a widened bf16 cache row. A sliding group's table
+ * names the null block below the window, which is never read here. */
+static void attend(const LayerWeights *W, const StepInputs *S, int64_t grp, const void *k_cache, const void *v_cache,
                    int64_t i, int64_t head, float *scores, float *row) {
     const int64_t g = head / (W->hq / W->hkv), n = S->lens[i], d = W->d, nkv = W->hkv * d;
     const int64_t start = W->window > 0 && n > W->window ? n - W->window : 0;
-    const int32_t *table = S->tables + i * S->max_blocks;
+    const int32_t *table = S->tables + (grp * S->m + i) * S->max_blocks;
     const float *qr = S->q + (i * W->hq + head) * d;
     float *o = S->att + (i * W->hq + head) * d;
     float mx = -INFINITY, sum = 0.f;
@@ -195,11 +200,13 @@ static void attend(const LayerWeights *W, const StepInputs *S, const void *k_cac
  * for the slower one eight times (dynamic chunks measured 10-12% faster per layer on a 2-vCPU EPYC). */
 #define ROWS_PER_CHUNK 64
 
-/* One layer, run by every thread of the enclosing parallel region (the omp for/single directives bind to it).
- * scores: this thread's attention scratch of at least max(lens) + head_dim floats. */
-static void layer(const LayerWeights *W, const StepInputs *S, void *k_cache, void *v_cache, float *x,
+/* One layer, run by every thread of the enclosing parallel region (the omp for/single directives bind to it), its
+ * K/V slots and tables those of KV group grp. scores: this thread's attention scratch of at least max(lens) +
+ * head_dim floats. */
+static void layer(const LayerWeights *W, const StepInputs *S, int64_t grp, void *k_cache, void *v_cache, float *x,
                   float *scores) {
     const int64_t m = S->m, dim = W->dim, d = W->d, nq = W->hq * d, nkv = W->hkv * d, ffn = W->ffn;
+    const int64_t *slots = S->slots + grp * m;
     static const int QKV[] = {TQ, TK, TV}, O[] = {TO}, GU[] = {TG, TU}, D[] = {TD};
 #pragma omp single
     rms_norm_rows(x, W->ln1, S->h, m, dim, W->eps);
@@ -232,13 +239,13 @@ static void layer(const LayerWeights *W, const StepInputs *S, void *k_cache, voi
             float *kr = S->k + i * nkv + off;
             if (W->kn) rms_norm_rows(kr, W->kn, kr, 1, d, W->eps);
             rotate(kr, cos, sin, d / 2);
-            cache_store(k_cache, S->cache_bf16, S->slots[i] * nkv + off, kr, d);
-            cache_store(v_cache, S->cache_bf16, S->slots[i] * nkv + off, S->v + i * nkv + off, d);
+            cache_store(k_cache, S->cache_bf16, slots[i] * nkv + off, kr, d);
+            cache_store(v_cache, S->cache_bf16, slots[i] * nkv + off, S->v + i * nkv + off, d);
         }
     }
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < m * W->hq; p++)
-        attend(W, S, k_cache, v_cache, p / W->hq, p % W->hq, scores + d, scores);
+        attend(W, S, grp, k_cache, v_cache, p / W->hq, p % W->hq, scores + d, scores);
     if (S->lora_slots) lora_shrink(W, S, O, 1, S->att, nq);
 #pragma omp for schedule(dynamic, ROWS_PER_CHUNK)
     for (int64_t j = 0; j < dim; j++) {
@@ -314,7 +321,8 @@ int decode_step_f32(const LayerWeights *layers, int64_t n_layers, const StepInpu
                 for (int64_t c = 0; c < dim; c++)
                     x[i * dim + c] = S->embed_bf16 ? bf16_at(S->embed, S->tokens[i] * dim + c)
                                                    : f32_at(S->embed, S->tokens[i] * dim + c);
-            for (int64_t l = 0; l < n_layers; l++) layer(&layers[l], S, k_caches[l], v_caches[l], x, scores);
+            for (int64_t l = 0; l < n_layers; l++)
+                layer(&layers[l], S, S->layer_groups ? S->layer_groups[l] : 0, k_caches[l], v_caches[l], x, scores);
 #pragma omp single
             rms_norm_rows(x, norm, S->h, m, dim, eps);
 #pragma omp for schedule(static)
@@ -338,18 +346,18 @@ static int64_t argmax_row(const float *v, int64_t n) {
 
 /* n_steps greedy decode steps in a row for the same M sequences (multi-step decoding, as vLLM's multi-step
  * scheduling): after each step every row's next token is the argmax of its logits, and it is fed back at the next
- * position, its cache slot read from the row's block table. out_tokens (M, n_steps) receives the tokens; logits
- * hold the last step's. The caller's block tables must already cover every position up to positions[i] +
- * n_steps - 1; a position past a table's width returns -2 before anything is computed, and the per-step checks of
- * decode_step_f32 apply (-1, -2). */
+ * position, its cache slot in each KV group read from the row's block table in that group. out_tokens (M, n_steps)
+ * receives the tokens; logits hold the last step's. The caller's block tables must already cover every position up
+ * to positions[i] + n_steps - 1; a position past a table's width returns -2 before anything is computed, and the
+ * per-step checks of decode_step_f32 apply (-1, -2). */
 int decode_steps_f32(const LayerWeights *layers, int64_t n_layers, const StepInputs *S, void *const *k_caches,
                      void *const *v_caches, float *x, const float *norm, float eps, const void *head, int head_type,
                      const float *head_scales, int64_t vocab, float *logits, int64_t n_steps, int64_t *out_tokens,
                      int threads) {
-    const int64_t m = S->m, bs = S->block_size;
+    const int64_t m = S->m, bs = S->block_size, n_groups = S->n_groups;
     for (int64_t i = 0; i < m; i++)
         if (S->positions[i] < 0 || (S->positions[i] + n_steps - 1) / bs >= S->max_blocks) return -2;
-    int64_t *ids = malloc((size_t)(3 * m) * sizeof *ids);
+    int64_t *ids = malloc((size_t)((2 + n_groups) * m) * sizeof *ids);
     int32_t *lens = malloc((size_t)m * sizeof *lens);
     if (!ids || !lens) {
         free(ids);
@@ -359,7 +367,7 @@ int decode_steps_f32(const LayerWeights *layers, int64_t n_layers, const StepInp
     StepInputs step = *S; /* the caller's arrays stay as given; this step's tokens, positions, slots are ours */
     memcpy(ids, S->tokens, (size_t)m * sizeof *ids);
     memcpy(ids + m, S->positions, (size_t)m * sizeof *ids);
-    memcpy(ids + 2 * m, S->slots, (size_t)m * sizeof *ids);
+    memcpy(ids + 2 * m, S->slots, (size_t)(n_groups * m) * sizeof *ids);
     memcpy(lens, S->lens, (size_t)m * sizeof *lens);
     step.tokens = ids, step.positions = ids + m, step.slots = ids + 2 * m, step.lens = lens;
     int status = 0;
@@ -372,7 +380,8 @@ int decode_steps_f32(const LayerWeights *layers, int64_t n_layers, const StepInp
             if (s + 1 == n_steps) continue;
             ids[i] = token;
             ids[m + i] = pos;
-            ids[2 * m + i] = (int64_t)S->tables[i * S->max_blocks + pos / bs] * bs + pos % bs;
+            for (int64_t grp = 0; grp < n_groups; grp++)
+                ids[(2 + grp) * m + i] = (int64_t)S->tables[(grp * m + i) * S->max_blocks + pos / bs] * bs + pos % bs;
             lens[i] += 1;
         }
     }

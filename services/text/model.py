@@ -205,12 +205,14 @@ class LlamaForCausalLM(nn.Module):
             cos, sin = self.local_rope.tables()
             local = cos[batch.positions], sin[batch.positions]
 
+        views = batch.layer_views(len(self.model.layers))  # each layer's KV group's slots and tables
+
         def attend(i: int, attn: nn.Module, h: torch.Tensor) -> torch.Tensor:
             layer = self.model.layers[i]
             rows = local if layer.local_rope else rope
             if isinstance(attn, MultiHeadLatentAttention):  # one cache serves as keys and values (mla.py)
-                return attn.forward_paged(h, batch, rows, k_caches[i], window=layer.window)
-            return attn.forward_paged(h, batch, rows, k_caches[i], v_caches[i], window=layer.window)
+                return attn.forward_paged(h, views[i], rows, k_caches[i], window=layer.window)
+            return attn.forward_paged(h, views[i], rows, k_caches[i], v_caches[i], window=layer.window)
 
         # (S, dim): the final norm and the LM head only where a token is sampled
         return self.logits(self.model(batch.input_ids, attend, rows=batch.logits_index))

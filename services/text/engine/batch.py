@@ -6,7 +6,7 @@ import torch
 
 from genserve.services.text.engine.kv_cache import BlockManager
 from genserve.services.text.engine.scheduler import ScheduledChunk
-from genserve.shared.blocks.paged import PagedBatch, PrefillChunk
+from genserve.shared.blocks.paged import GroupTables, PagedBatch, PrefillChunk
 
 
 def build_batch(chunks: list[ScheduledChunk], blocks: BlockManager) -> tuple[PagedBatch, list[ScheduledChunk]]:
@@ -23,32 +23,25 @@ def build_batch(chunks: list[ScheduledChunk], blocks: BlockManager) -> tuple[Pag
     ordered = decodes + prefills
     ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
     logits_index: list[int] = []
-    tables = [blocks.tables[c.seq.request_id] for c in ordered]
-    decode_rows: list[list[int]] = []  # the block table of every decode row
     decode_lens: list[int] = []
-    for c, table in zip(ordered, tables, strict=True):
-        tokens = c.seq.tokens
+    for c in ordered:
         n = c.length + len(c.draft)
         if c.sample:
             logits_index.extend(range(len(ids) + c.length - 1, len(ids) + n))
         if c.length == 1:
-            decode_rows.extend([table] * n)
             decode_lens.extend(range(c.start + 1, c.start + 1 + n))
-        ids.extend(tokens[c.start:c.start + c.length])
+        ids.extend(c.seq.tokens[c.start:c.start + c.length])
         ids.extend(c.draft)
         positions.extend(range(c.start, c.start + n))
-        slots.extend(blocks.slots(table, c.start, c.start + n))
-    width = max((len(t) for t in decode_rows), default=1)
-    # One tensor per field, built from Python lists in one call each: a decode step is short enough on the CPU
-    # that every extra small tensor op shows in tokens/s.
-    decode_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_rows],
-                                 dtype=torch.int32).view(len(decode_rows), width)
+    # Every KV group's slots and tables (one group without a hybrid cache: kv_cache.py), all the same width.
+    groups = [_group_tables(ordered, blocks, [blocks.group_tables[c.seq.request_id][g] for c in ordered])
+              for g in range(len(blocks.windows))]
+    slots, decode_tables, chunk_tables = groups[0]
     chunks_out = []
-    offset = len(decode_rows)
-    for c, table in zip(prefills, tables[len(decodes):], strict=True):
-        chunks_out.append(PrefillChunk(offset, c.length, c.start, torch.tensor(table, dtype=torch.long)))
+    offset = len(decode_lens)
+    for c, table in zip(prefills, chunk_tables, strict=True):
+        chunks_out.append(PrefillChunk(offset, c.length, c.start, table))
         offset += c.length
     flat = torch.tensor([ids, positions, slots], dtype=torch.long)  # (3, N): three contiguous rows
     batch = PagedBatch(
@@ -59,5 +52,29 @@ def build_batch(chunks: list[ScheduledChunk], blocks: BlockManager) -> tuple[Pag
         decode_lens=torch.tensor(decode_lens, dtype=torch.int32),
         prefills=tuple(chunks_out),
         logits_index=torch.tensor(logits_index, dtype=torch.long),
+        groups=tuple(GroupTables(torch.tensor(s, dtype=torch.long), t, c) for s, t, c in groups[1:]),
+        layer_groups=blocks.layer_groups,
     )
     return batch, ordered
+
+
+def _group_tables(ordered: list[ScheduledChunk], blocks: BlockManager, tables: list[list[int]]
+                  ) -> tuple[list[int], torch.Tensor, tuple[torch.Tensor, ...]]:
+    """One KV group's slots (N,), decode tables (Bd, width) int32 and prefill chunk tables, ``tables[i]`` being
+    that group's table of ``ordered[i]``'s sequence."""
+    slots: list[int] = []
+    decode_rows: list[list[int]] = []  # the block table of every decode row
+    chunk_tables: list[torch.Tensor] = []
+    for c, table in zip(ordered, tables, strict=True):
+        n = c.length + len(c.draft)
+        if c.length == 1:
+            decode_rows.extend([table] * n)
+        else:
+            chunk_tables.append(torch.tensor(table, dtype=torch.long))
+        slots.extend(blocks.slots(table, c.start, c.start + n))
+    width = max((len(t) for t in decode_rows), default=1)
+    # One tensor per field, built from Python lists in one call each: a decode step is short enough on the CPU
+    # that every extra small tensor op shows in tokens/s.
+    decode_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_rows],
+                                 dtype=torch.int32).view(len(decode_rows), width)
+    return slots, decode_tables, tuple(chunk_tables)

@@ -24,7 +24,7 @@ from genserve.services.text.engine.adapters import AdapterRegistry, LoraConfig
 from genserve.services.text.engine.batch import build_batch
 from genserve.services.text.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from genserve.services.text.engine.grammar import Grammar, GrammarCompiler
-from genserve.services.text.engine.kv_cache import BlockManager, block_bytes
+from genserve.services.text.engine.kv_cache import BlockManager, KVGroup, block_bytes, blocks_held, kv_groups
 from genserve.services.text.engine.params import (
     AdapterNotFound,
     Delta,
@@ -60,6 +60,9 @@ class EngineConfig:
     cuda_graphs: bool = True
     # Automatic prefix caching (kv_cache.py): full blocks are shared across requests by the hash of their prefix.
     prefix_caching: bool = True
+    # Hybrid allocation (kv_cache.py): sliding-window layers keep only their window's blocks, in block tables of
+    # their own; False: one table for every layer, each holding the whole context.
+    hybrid_kv_cache: bool = True
     # Exact speculative decoding with n-gram drafts (engine/speculative.py); None: off.
     speculative: SpeculativeConfig | None = None
     # LoRA adapters (engine/adapters.py); None: none may be loaded, and the model runs without the LoRA hooks.
@@ -100,16 +103,30 @@ class LLMEngine:
         self.model_name = model_name
         mc = self.model.config
         self.max_context = config.max_context or mc.max_position
+        # A window as long as the context never lets a block go: such a layer is a full-attention one here.
+        windows = [w if w < self.max_context else 0 for w in map(mc.layer_window, range(mc.n_layers))]
+        groups = kv_groups(windows) if config.hybrid_kv_cache else (KVGroup(0, tuple(range(mc.n_layers))),)
         heads, width, values_apart = mc.kv_cache_layout
-        per_block = block_bytes(config.block_size, mc.n_layers, heads, width, runner.kv_dtype, values_apart)
-        full_context = -(-self.max_context // config.block_size) * per_block
+        # A block holds block_size tokens of one group's layers; every group has as many (kv_groups).
+        per_block = block_bytes(config.block_size, len(groups[0].layers), heads, width, runner.kv_dtype,
+                                values_apart)
+        full_context = blocks_held([g.window for g in groups], config.block_size, self.max_context) * per_block
         num_blocks = config.num_blocks or runner.kv_cache_budget(
             config.kv_cache_bytes, config.kv_cache_fraction, full_context) // per_block
         if num_blocks <= 0:
             raise ValueError(f"the KV-cache budget holds no block of {per_block} bytes")
         self.kv_cache_bytes = num_blocks * per_block
-        runner.allocate_kv_cache(num_blocks, config.block_size)
-        self.blocks = BlockManager(num_blocks, config.block_size, caching=config.prefix_caching)
+        runner.allocate_kv_cache(num_blocks, config.block_size, groups)
+        self.blocks = BlockManager(num_blocks, config.block_size, caching=config.prefix_caching, groups=groups)
+        # The longest prompt one request may bring: what the cache holds for one sequence alone.
+        self.capacity_tokens = self.blocks.capacity_tokens(self.max_context)
+        # K/V bytes per token of every layer of each attention kind (GetModelInfo), and the tokens one sequence
+        # alone could hold, not capped by the context (a sliding-only model: by the pool's size).
+        per_layer = block_bytes(1, 1, heads, width, runner.kv_dtype, values_apart)
+        self.kv_layer_kinds = [
+            {"kind": "sliding_attention" if w else "full_attention", "window": w, "n_layers": windows.count(w),
+             "kv_bytes_per_token": windows.count(w) * per_layer} for w in sorted(set(windows))]
+        self.kv_tokens_fit = self.blocks.capacity_tokens(num_blocks * config.block_size)
         self.scheduler = Scheduler(self.blocks, SchedulerConfig(
             config.max_batched_tokens, config.max_running, config.max_waiting,
             config.lora.max_loras if config.lora is not None else 0))
@@ -210,9 +227,9 @@ class LLMEngine:
         if len(prompt_ids) + params.max_tokens > self.max_context:
             raise PromptTooLong(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                 f"the context of {self.max_context} tokens")
-        if len(prompt_ids) + 1 > self.scheduler.capacity_tokens:
+        if len(prompt_ids) + 1 > self.capacity_tokens:
             raise PromptTooLong(f"prompt ({len(prompt_ids)} tokens) exceeds the KV cache "
-                                f"({self.scheduler.capacity_tokens} tokens)")
+                                f"({self.capacity_tokens} tokens)")
         if grammar is None:
             grammar = self.grammars.compile(params)
         adapter = self._acquire_adapter(params.adapter)
@@ -267,6 +284,8 @@ class LLMEngine:
             "device": str(self.runner.device),
             "kv_cache_bytes": self.kv_cache_bytes,
             "kv_blocks_total": self.blocks.num_blocks,
+            "kv_layer_kinds": self.kv_layer_kinds,
+            "kv_tokens_fit": self.kv_tokens_fit,
             "block_size": self.blocks.block_size,
             "max_batched_tokens": self.config.max_batched_tokens,
             "max_running": self.config.max_running,

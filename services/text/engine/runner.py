@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from genserve.services.text.adapter_slots import AdapterSlots
+from genserve.services.text.engine.kv_cache import KVGroup
 from genserve.services.text.engine.params import TokenLogprob
 from genserve.services.text.engine.sampler import SampleRow
 from genserve.services.text.model import LlamaForCausalLM
@@ -39,8 +40,10 @@ class ModelRunner(Protocol):
         ``min_bytes`` (one full context)."""
         ...
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """Allocate the per-layer K/V tensors in the paged layout (docs/architecture.md)."""
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, groups: tuple[KVGroup, ...] = ()) -> None:
+        """Allocate the per-layer K/V tensors in the paged layout (docs/architecture.md), one block past
+        ``num_blocks`` (the null block of kv_cache.py); with ``groups`` (the hybrid allocation), the j-th layers of
+        all groups share one tensor (``kv_cache.layer_tensors``)."""
         ...
 
     def max_steps(self, n_tokens: int) -> int:

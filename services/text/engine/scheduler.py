@@ -8,7 +8,8 @@ blocks and goes back to the front of the queue; its prompt and generated tokens 
 
 With prefix caching (kv_cache.py), a sequence admitted from the queue (first or after a preemption) starts from the
 cached blocks that hold its leading tokens and only schedules the rest; ``hit_tokens`` / ``queried_tokens`` count
-them. Blocks are registered in the cache by the engine once the step that fills them has run.
+them. Blocks are registered in the cache by the engine once the step that fills them has run, which is also when
+a sliding-window group releases the blocks that left its window (kv_cache.py, hybrid allocation).
 
 With LoRA adapters, the running sequences use at most ``max_loras`` distinct adapters (the runner's slots): a
 waiting request whose adapter would be one too many stays queued while later ones that fit are admitted.
@@ -64,10 +65,6 @@ class Scheduler:
         self.overflowed: list[Sequence] = []
         self.hit_tokens = 0  # prompt tokens admitted with their K/V already cached
         self.queried_tokens = 0  # tokens of every admitted sequence
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.blocks.num_blocks * self.blocks.block_size
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -174,9 +171,7 @@ class Scheduler:
         if admitting:
             seq.num_computed = self.blocks.match_prefix(seq.request_id, seq.prompt_ids, seq.output_ids,
                                                         seq.cache_salt)
-        bs = self.blocks.block_size
-        have = len(self.blocks.tables[seq.request_id]) * bs
-        room = have - seq.num_computed + self.blocks.num_free * bs
+        room = self.blocks.tokens_fit(seq.request_id) - seq.num_computed
         length = min(seq.num_tokens - seq.num_computed, budget, room)
         if length <= 0:
             if admitting:

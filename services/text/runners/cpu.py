@@ -26,6 +26,7 @@ from torch import nn
 
 from genserve.kernels import _cpu_library, cpu_decode_step
 from genserve.services.text.adapter_slots import AdapterSlots
+from genserve.services.text.engine.kv_cache import KVGroup, layer_tensors
 from genserve.services.text.engine.params import TokenLogprob
 from genserve.services.text.engine.sampler import SampleRow, sample_batch
 from genserve.services.text.model import LlamaForCausalLM
@@ -115,8 +116,9 @@ class FusedDecodeStep:
         token's adapter slot, or None."""
         if batch.prefills:
             raise ValueError("the fused decode step runs decode-only batches; prefill chunks go through forward_paged")
-        logits = self.kernel.run(batch.input_ids, batch.positions, batch.slots, batch.decode_tables, batch.decode_lens,
-                                 self.cos, self.sin, k_caches, v_caches, lora)  # (M, V): every decode token samples
+        slots, tables, groups = _group_inputs(batch)
+        logits = self.kernel.run(batch.input_ids, batch.positions, slots, tables, batch.decode_lens, self.cos,
+                                 self.sin, k_caches, v_caches, lora, groups)  # (M, V): every decode token samples
         return logits if logits.shape[0] == batch.logits_index.numel() else logits[batch.logits_index]
 
     def greedy(self, batch: PagedBatch, steps: int, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
@@ -126,8 +128,19 @@ class FusedDecodeStep:
         from each token's."""
         if batch.prefills:
             raise ValueError("the fused decode step runs decode-only batches; prefill chunks go through forward_paged")
-        return self.kernel.greedy(steps, batch.input_ids, batch.positions, batch.slots, batch.decode_tables,
-                                  batch.decode_lens, self.cos, self.sin, k_caches, v_caches, lora).tolist()
+        slots, tables, groups = _group_inputs(batch)
+        return self.kernel.greedy(steps, batch.input_ids, batch.positions, slots, tables, batch.decode_lens, self.cos,
+                                  self.sin, k_caches, v_caches, lora, groups).tolist()
+
+
+def _group_inputs(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The batch's slots and decode tables as the fused step takes them: group 0's, or with a hybrid KV cache every
+    group's stacked, (G, M) and (G, M, max_blocks), with each layer's group (L,) int64."""
+    if not batch.groups:
+        return batch.slots, batch.decode_tables, None
+    return (torch.stack([batch.slots, *(g.slots for g in batch.groups)]),
+            torch.stack([batch.decode_tables, *(g.decode_tables for g in batch.groups)]),
+            torch.tensor(batch.layer_groups, dtype=torch.int64))
 
 
 def _llama_shaped(cfg) -> bool:
@@ -176,13 +189,17 @@ class CpuRunner:
             return int(kv_cache_fraction * _memory_available())
         return max(DEFAULT_KV_CACHE_BYTES, min_bytes)
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, groups: tuple[KVGroup, ...] = ()) -> None:
         cfg = self.model.config
         heads, width, values_apart = cfg.kv_cache_layout
-        shape = (num_blocks, block_size, heads, width)
-        self.k_caches = [torch.zeros(shape, dtype=self.kv_dtype) for _ in range(cfg.n_layers)]
+        # One block past the engine's: the null block that sliding groups' released table entries name.
+        shape = (num_blocks + 1, block_size, heads, width)
+        tensor_of = layer_tensors(cfg.n_layers, groups)
+        keys = [torch.zeros(shape, dtype=self.kv_dtype) for _ in range(max(tensor_of) + 1)]
         # MLA's one cache is its keys and its values (mla.py)
-        self.v_caches = [torch.zeros(shape, dtype=self.kv_dtype) if values_apart else k for k in self.k_caches]
+        values = [torch.zeros(shape, dtype=self.kv_dtype) if values_apart else k for k in keys]
+        self.k_caches = [keys[j] for j in tensor_of]
+        self.v_caches = [values[j] for j in tensor_of]
 
     def max_steps(self, n_tokens: int) -> int:
         return self.max_lookahead if self.fused is not None and n_tokens <= FUSED_MAX_TOKENS else 1

@@ -21,10 +21,11 @@ import logging
 import torch
 
 from genserve.services.text.adapter_slots import AdapterSlots
+from genserve.services.text.engine.kv_cache import KVGroup, layer_groups, layer_tensors
 from genserve.services.text.engine.params import TokenLogprob
 from genserve.services.text.engine.sampler import SampleRow, sample_batch
 from genserve.services.text.model import LlamaForCausalLM
-from genserve.shared.blocks.paged import PagedBatch
+from genserve.shared.blocks.paged import GroupTables, PagedBatch
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,9 @@ class DecodeGraphs:
     """Static decode batches, one per padded size, and (on CUDA) the graph of ``forward_paged`` over each."""
 
     def __init__(self, model: LlamaForCausalLM, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], *,
-                 max_batch: int, max_blocks: int, sink_block: int, capture: bool):
+                 max_batch: int, max_blocks: int, sink_block: int, capture: bool, layer_groups: tuple[int, ...] = ()):
+        """``layer_groups``: each layer's KV group of a hybrid cache (PagedBatch.layer_groups); the static slots and
+        tables then hold one row set per group."""
         self.model, self.k_caches, self.v_caches = model, k_caches, v_caches
         larger = [s for s in GRAPH_BATCH_SIZES if s >= max_batch]
         self.sizes = [s for s in GRAPH_BATCH_SIZES if s < max_batch] + [larger[0] if larger else max_batch]
@@ -47,8 +50,10 @@ class DecodeGraphs:
         self.sink_block = sink_block
         self.ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slots = torch.full((n,), sink_block * self.block_size, dtype=torch.long, device=device)
-        self.tables = torch.full((n, max_blocks), sink_block, dtype=torch.int32, device=device)
+        self.layer_groups = layer_groups
+        n_groups = max(layer_groups, default=0) + 1
+        self.slots = torch.full((n_groups, n), sink_block * self.block_size, dtype=torch.long, device=device)
+        self.tables = torch.full((n_groups, n, max_blocks), sink_block, dtype=torch.int32, device=device)
         self.lens = torch.ones(n, dtype=torch.int32, device=device)
         self.index = torch.arange(n, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -61,9 +66,11 @@ class DecodeGraphs:
 
     def _static_batch(self, size: int, width: int | None = None) -> PagedBatch:
         """The first ``size`` static rows; ``width`` block-table columns (all of them, as graphs capture them)."""
-        return PagedBatch(input_ids=self.ids[:size], positions=self.positions[:size], slots=self.slots[:size],
-                          decode_tables=self.tables[:size, :width], decode_lens=self.lens[:size], prefills=(),
-                          logits_index=self.index[:size])
+        return PagedBatch(input_ids=self.ids[:size], positions=self.positions[:size], slots=self.slots[0, :size],
+                          decode_tables=self.tables[0, :size, :width], decode_lens=self.lens[:size], prefills=(),
+                          logits_index=self.index[:size], layer_groups=self.layer_groups,
+                          groups=tuple(GroupTables(self.slots[g, :size], self.tables[g, :size, :width], ())
+                                       for g in range(1, self.slots.shape[0])))
 
     def _capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
@@ -88,15 +95,17 @@ class DecodeGraphs:
         width = batch.decode_tables.shape[1]
         self.ids[:n].copy_(batch.input_ids, non_blocking=True)
         self.positions[:n].copy_(batch.positions, non_blocking=True)
-        self.slots[:n].copy_(batch.slots, non_blocking=True)
-        self.tables[:n, :width].copy_(batch.decode_tables, non_blocking=True)
-        self.tables[:n, width:] = 0
+        for g in range(self.slots.shape[0]):
+            view = batch.group(g)
+            self.slots[g, :n].copy_(view.slots, non_blocking=True)
+            self.tables[g, :n, :width].copy_(view.decode_tables, non_blocking=True)
+        self.tables[:, :n, width:] = 0
         self.lens[:n].copy_(batch.decode_lens, non_blocking=True)
         # Rows n..size-1 keep what the previous, larger step left there: restore them to the sink.
         self.ids[n:size] = 0
         self.positions[n:size] = 0
-        self.slots[n:size] = self.sink_block * self.block_size
-        self.tables[n:size] = self.sink_block
+        self.slots[:, n:size] = self.sink_block * self.block_size
+        self.tables[:, n:size] = self.sink_block
         self.lens[n:size] = 1
         if size in self.graphs:
             graph, logits = self.graphs[size]
@@ -147,24 +156,27 @@ class CudaRunner:
                 "or the max_context, or the other replicas' share of this GPU")
         return budget
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, groups: tuple[KVGroup, ...] = ()) -> None:
         cfg = self.model.config
-        # One block past the engine's: the sink that padded graph rows read and write.
+        # One block past the engine's: the sink that padded graph rows read and write, which is also the null block
+        # that sliding groups' released table entries name (read only under a window's mask).
         heads, width, values_apart = cfg.kv_cache_layout
         shape = (num_blocks + 1, block_size, heads, width)
-        self.k_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(cfg.n_layers)]
+        tensor_of = layer_tensors(cfg.n_layers, groups)
+        keys = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(max(tensor_of) + 1)]
         # MLA's one cache is its keys and its values (mla.py)
-        self.v_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) if values_apart else k
-                         for k in self.k_caches]
+        values = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) if values_apart else k for k in keys]
+        self.k_caches = [keys[j] for j in tensor_of]
+        self.v_caches = [values[j] for j in tensor_of]
         max_blocks = -(-cfg.max_position // block_size)
+        kwargs = dict(max_batch=self.max_running, max_blocks=max_blocks, sink_block=num_blocks,
+                      layer_groups=layer_groups(groups))
         try:
-            self.graphs = DecodeGraphs(self.model, self.k_caches, self.v_caches, max_batch=self.max_running,
-                                       max_blocks=max_blocks, sink_block=num_blocks, capture=self.cuda_graphs)
+            self.graphs = DecodeGraphs(self.model, self.k_caches, self.v_caches, capture=self.cuda_graphs, **kwargs)
         except RuntimeError as exc:  # a kernel that cannot be captured: keep the eager path, say so once
             log.warning("CUDA graphs off, decode steps run eagerly: %s", exc)
             self.cuda_graphs = False
-            self.graphs = DecodeGraphs(self.model, self.k_caches, self.v_caches, max_batch=self.max_running,
-                                       max_blocks=max_blocks, sink_block=num_blocks, capture=False)
+            self.graphs = DecodeGraphs(self.model, self.k_caches, self.v_caches, capture=False, **kwargs)
 
     def max_steps(self, n_tokens: int) -> int:
         return 1

@@ -83,7 +83,7 @@ def test_eager_decode_reads_only_the_batch_table_width(model, monkeypatch) -> No
     gathers whole tables) passes only the batch's own columns (defect 7)."""
     runner = CudaRunner(model, max_running=4)
     runner.allocate_kv_cache(num_blocks=4, block_size=BLOCK)
-    assert runner.graphs.tables.shape[1] == model.config.max_position // BLOCK == 32
+    assert runner.graphs.tables.shape[-1] == model.config.max_position // BLOCK == 32
     widths = []
     decode = model.backend.paged_decode
     monkeypatch.setattr(model.backend, "paged_decode",
