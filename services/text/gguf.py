@@ -21,10 +21,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from genserve.services.text.config import LlamaConfig
+from genserve.services.text.gguf_file import GGUFFile, GGUFTensor
 from genserve.shared.blocks.backend import Backend
 
 SUFFIX = ".gguf"
@@ -90,7 +91,7 @@ def find_gguf(path: str | Path) -> Path | None:
     return files[0] if files else None
 
 
-def tensor_weight(tensor: ReaderTensor, dtype: torch.dtype) -> torch.Tensor:
+def tensor_weight(tensor: GGUFTensor, dtype: torch.dtype) -> torch.Tensor:
     """What one GGUF tensor becomes in the model: its values in `dtype`, in torch's (out, in) layout.
 
     The single per-tensor decision of the loader; every supported type is dequantized (gguf.quants) today.
@@ -127,14 +128,13 @@ class GGUFCheckpoint:
     """One opened GGUF file: its metadata (key -> value) and tensors, read lazily from a memory map."""
 
     path: Path
-    reader: GGUFReader
+    reader: GGUFFile
     metadata: dict[str, Any]
 
     @classmethod
     def open(cls, path: str | Path) -> GGUFCheckpoint:
-        reader = GGUFReader(str(path))
-        metadata = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
-        return cls(Path(path), reader, metadata)
+        reader = GGUFFile(path)
+        return cls(Path(path), reader, reader.metadata)
 
     @property
     def architecture(self) -> str:
@@ -211,14 +211,14 @@ class GGUFCheckpoint:
             out["layer_types"] = tuple("sliding_attention" if s else "full_attention" for s in sliding)
         return out
 
-    def _row_order(self, config: LlamaConfig, tensor: ReaderTensor) -> torch.Tensor | None:
+    def _row_order(self, config: LlamaConfig, tensor: GGUFTensor) -> torch.Tensor | None:
         """The rows to undo llama.cpp's q/k permutation with, or None for a tensor it did not permute."""
         heads = {"attn_q": config.n_heads, "attn_k": config.n_kv_heads}.get(tensor.name.split(".")[-2])
         if heads is None or not ARCHITECTURES[self.architecture][1]:
             return None
         return unpermute_index(int(tensor.shape[-1]), heads)
 
-    def quantized_linears(self) -> dict[str, ReaderTensor]:
+    def quantized_linears(self) -> dict[str, GGUFTensor]:
         """The projection matrices (and the LM head) stored as Q8_0/Q4_0/Q4_1, by the HF name of their module
         (``model.layers.0.self_attn.q_proj``, ``lm_head``); a tied head reads the embedding's blocks."""
         kept = {}
@@ -248,7 +248,7 @@ class GGUFCheckpoint:
             state[hf_name(tensor.name, self.architecture)] = weight if rows is None else weight[rows]
         return state
 
-    def quant_linear(self, config: LlamaConfig, tensor: ReaderTensor, bias: torch.Tensor | None,
+    def quant_linear(self, config: LlamaConfig, tensor: GGUFTensor, bias: torch.Tensor | None,
                      backend: Backend) -> torch.nn.Module:
         """A QuantLinear over `tensor`'s own blocks, its rows in HF order; `bias` (HF order) is added after."""
         from genserve.shared.blocks.quant_linear import QuantLinear

@@ -35,7 +35,7 @@ class QuantLinear(nn.Module):
     def from_gguf(cls, qtype: str | int, data: np.ndarray | torch.Tensor, shape: tuple[int, int],
                   bias: torch.Tensor | None = None, backend: Backend | None = None) -> QuantLinear:
         """A layer over a GGUF tensor's raw bytes: ``qtype`` its type (``gguf.GGMLQuantizationType`` or a name),
-        ``data`` its uint8 bytes (``ReaderTensor.data``: (out, row bytes), or flat), ``shape`` (out_features,
+        ``data`` its uint8 bytes (``GGUFTensor.data``: (out, row bytes), or flat), ``shape`` (out_features,
         in_features) as in nn.Linear (GGUF lists it reversed). The bytes are copied once, out of a memory map.
         ValueError naming the type or the size when they do not fit."""
         out_features, in_features = shape
