@@ -8,7 +8,9 @@ passes share one U-Net call per step, and each reports its own steps through a q
 `Decode` through a deployment handle as raw bytes with dtype and shape, the same Tensor message a gRPC client
 sends. The model is the committed demo or a Stable-Diffusion-, SD3- or Flux-format diffusers folder
 (GENSERVE_DIFFUSION_MODEL). An edit (init_image, optionally a mask) is encoded by the `vae` application's `Encode`
-first; its posterior starts the loop (services/diffusion/edits.py).
+first; its posterior starts the loop (services/diffusion/edits.py). A Stable-Diffusion-format model serves LoRAs
+(serve-config `loras`, services/diffusion/loras.py), which a request names in `lora`; `load_lora`, `unload_lora` and
+`loras` are the replica's in-process API for them (deployment-handle methods, not RPCs).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import re
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 from grpc_health.v1 import health_pb2
 from PIL import Image as PILImage
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 from ray.serve.deployment import Application
 from ray.util import metrics
@@ -41,6 +44,8 @@ from genserve.services.common.rpc import streaming, unary, unknown_rpcs
 from genserve.services.common.validation import parse
 from genserve.services.diffusion.edit_inputs import edit_inputs, masked_image, png_bytes
 from genserve.services.diffusion.edits import Posterior
+from genserve.services.diffusion.loras import LoraConfig, LoraRegistry
+from genserve.services.diffusion.params import LORA_NAME, InvalidLora
 from genserve.services.diffusion.pipeline import DiffusionPipeline
 from genserve.services.diffusion.schema import KNOWN_ERRORS, MAX_REQUEST_ROWS, DiffusionIn
 from genserve.services.diffusion.step_batcher import StepBatcher
@@ -51,12 +56,35 @@ SERVICE = "genserve.v1.Diffusion"
 _DONE = object()
 
 
+class LoraArgs(BaseModel):
+    """The diffusion app's `loras` arg (docs/deploy.md, "LoRAs"): services/diffusion/loras.py's LoraConfig."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    root: str = Field(min_length=1)  # LoRAs load only from under this folder (on the replica's machine)
+    max_loras: int = Field(16, ge=1, le=1024)
+    max_rank: int = Field(128, ge=1, le=1024)
+    load: dict[str, str] = {}  # name -> file or folder under root, loaded at start
+
+    @field_validator("load")
+    @classmethod
+    def _names(cls, load: dict[str, str]) -> dict[str, str]:
+        for name in load:
+            if not re.fullmatch(LORA_NAME, name):
+                raise ValueError(f"LoRA name {name!r} must match {LORA_NAME}")
+        return load
+
+    def config(self) -> LoraConfig:
+        return LoraConfig(self.root, self.max_loras, self.max_rank, tuple(self.load.items()))
+
+
 class StepBatchArgs(AppArgs):
     """The serve-config `args` of the diffusion app: docs/deploy.md."""
 
     # U-Net rows per step (images × passes, all requests in the loop); a waiting request joins when its rows fit.
     max_step_rows: int = Field(48, ge=MAX_REQUEST_ROWS, le=4096)
     batch_wait_s: float = Field(0.005, ge=0, le=1, allow_inf_nan=False)  # how long an idle loop waits for others
+    loras: LoraArgs | None = None  # None: no LoRAs
 
 
 @functools.cache
@@ -82,9 +110,11 @@ class Diffusion:
         use_torch_threads(settings.torch_threads)
         self.metrics = ServiceMetrics("diffusion")
         self.gate = Gate.from_env(settings.rate_limits)
-        self.pipe = DiffusionPipeline.from_dir(model_dir, device=serving_device())
+        self.pipe = DiffusionPipeline.from_dir(model_dir, device=serving_device(),
+                                               loras=settings.loras.config() if settings.loras else None)
         self.batcher = StepBatcher(self.pipe.model.unet, settings.max_step_rows, settings.batch_wait_s,
-                                   on_batch=lambda images, waits: self.metrics.batch("Generate", images, waits))
+                                   on_batch=lambda images, waits: self.metrics.batch("Generate", images, waits),
+                                   unet_rows=self.pipe.unet_rows)
         self._vae = None
         self._status = health.ServeStatusCache()
 
@@ -130,6 +160,7 @@ class Diffusion:
                 guidance_scale=req.guidance_scale, seed=seed, scheduler=req.scheduler or None, eta=req.eta,
                 height=height, width=width, guidance=req.guidance or None, negative_weight=req.negative_weight,
                 init=init, strength=req.edit_strength, mask=mask, cache_threshold=req.cache_threshold, masked=masked,
+                lora=req.lora, lora_scale=1.0 if req.lora_scale is None else req.lora_scale,
             )
             cache = getattr(state.context, "step_cache", None)
             if cache is not None:  # count the steps it skipped once the request is done
@@ -183,6 +214,23 @@ class Diffusion:
         async with contextlib.aclosing(self._events(request)) as events:
             async for event in events:
                 yield event
+
+    def _loras(self) -> LoraRegistry:
+        if self.pipe.loras is None:
+            raise InvalidLora("this replica serves no LoRAs (serve-config args: loras)")
+        return self.pipe.loras
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Load the LoRA at ``path`` (under the configured root) as ``name``; InvalidLora naming the tensor or path,
+        LoraCapacityExceeded past max_loras."""
+        await asyncio.to_thread(self._loras().load, name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        """Stop serving ``name`` (requests already running on it finish); LoraNotFound."""
+        self._loras().unload(name)
+
+    async def loras(self) -> list[str]:
+        return [] if self.pipe.loras is None else self.pipe.loras.names()
 
     async def image_size(self) -> tuple[int, int]:
         """(width, height) of the images this pipeline makes: its latent size times the VAE's downsampling

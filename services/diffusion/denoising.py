@@ -8,12 +8,15 @@ so a request's arithmetic is the same whatever it shares the call with.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from genserve.services.diffusion.edits import Inpainting
 from genserve.services.diffusion.guidance import combine
+from genserve.services.diffusion.lora_rows import RowGroup
+from genserve.services.diffusion.loras import LoraUse
 from genserve.services.diffusion.schedulers import Scheduler
 from genserve.shared.blocks.cross_attention import ContextCache
 
@@ -33,6 +36,7 @@ class Denoising:
     index: int = 0  # steps done
     shift_factor: float = 0.0  # latents are (z - shift) * scale (SD3, Flux)
     inpainting: Inpainting | None = None  # the image's latents outside the mask are kept (services/diffusion/edits.py)
+    lora: LoraUse | None = None  # the request's LoRA and scale, on all its U-Net rows (services/diffusion/loras.py)
 
     @property
     def images(self) -> int:
@@ -79,3 +83,13 @@ class Denoising:
     def unscaled(self) -> torch.Tensor:
         """The latents in the VAE's own space (what ``on_step`` and the decoder see)."""
         return self.latents / self.scaling_factor + self.shift_factor
+
+
+def unet_row_groups(states: Sequence[Denoising]) -> list[RowGroup]:
+    """The LoRA groups of one U-Net call that stacks the rows of ``states`` in order (a state without a LoRA: none)."""
+    groups, start = [], 0
+    for state in states:
+        if state.lora is not None:
+            groups.append(state.lora.unet_group(start, start + state.rows))
+        start += state.rows
+    return groups

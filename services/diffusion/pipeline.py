@@ -12,19 +12,23 @@ the same images on every device; after that nothing comes back to the host until
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from genserve.services.diffusion.components import DiffusionComponents
-from genserve.services.diffusion.denoising import Denoising
+from genserve.services.diffusion.denoising import Denoising, unet_row_groups
 from genserve.services.diffusion.edits import Inpainting, Posterior, add_noise, latent_mask, start_index
 from genserve.services.diffusion.flow_match import FlowMatchEulerScheduler
 from genserve.services.diffusion.flux_folder import PIPELINE_CLASS as FLUX_CLASS
 from genserve.services.diffusion.flux_folder import load_flux_components
 from genserve.services.diffusion.guidance import combine
+from genserve.services.diffusion.lora_rows import AdaptedContext
+from genserve.services.diffusion.loras import LoraConfig, LoraRegistry, LoraUse
 from genserve.services.diffusion.model import LatentDiffusion, load_diffusion
 from genserve.services.diffusion.params import (
     DEFAULT_GUIDANCE_SCALE,
@@ -33,11 +37,13 @@ from genserve.services.diffusion.params import (
     GUIDANCE_MODES,
     MAX_BATCH,
     MAX_GUIDANCE_SCALE,
+    MAX_LORA_SCALE,
     MAX_NEGATIVE_WEIGHT,
     MAX_PROMPT_CHARS,
     MAX_STEPS,
     SCHEDULERS,
     GenerationCancelled,
+    LoraNotFound,
 )
 from genserve.services.diffusion.schedulers import make_scheduler
 from genserve.services.diffusion.sd3_folder import PIPELINE_CLASS as SD3_CLASS
@@ -50,21 +56,25 @@ from genserve.shared.seeds import resolve_seed
 
 
 class DiffusionPipeline:
-    def __init__(self, model: LatentDiffusion | DiffusionComponents, device: str | torch.device = "cpu") -> None:
+    def __init__(self, model: LatentDiffusion | DiffusionComponents, device: str | torch.device = "cpu",
+                 loras: LoraConfig | None = None) -> None:
+        """``loras``: serve LoRAs (a Stable-Diffusion-format pipeline only; services/diffusion/loras.py)."""
         parts = model.components() if isinstance(model, LatentDiffusion) else model
         self.model = parts.to(device)
         self.device = torch.device(device)
         self.tokenizer = parts.tokenizer
+        self.loras = None if loras is None else LoraRegistry(self.model, loras, self.device)
 
     @classmethod
-    def from_dir(cls, path: str | Path | None = None, device: str | torch.device = "cpu") -> DiffusionPipeline:
+    def from_dir(cls, path: str | Path | None = None, device: str | torch.device = "cpu",
+                 loras: LoraConfig | None = None) -> DiffusionPipeline:
         """Load a checkpoint directory: a diffusers Stable Diffusion, SD3 or Flux folder (it has model_index.json)
         or our own format; None -> services/diffusion/weights/."""
         if path is not None and is_diffusers_pipeline(path):
             loaders = {SD3_CLASS: load_sd3_components, FLUX_CLASS: load_flux_components}
             loader = loaders.get(json.loads((Path(path) / INDEX).read_text()).get("_class_name"), load_sd_components)
-            return cls(loader(path, device=device), device=device)
-        return cls(load_diffusion(path, device=device), device=device)
+            return cls(loader(path, device=device), device=device, loras=loras)
+        return cls(load_diffusion(path, device=device), device=device, loras=loras)
 
     @property
     def caches_steps(self) -> bool:
@@ -128,6 +138,20 @@ class DiffusionPipeline:
         if problem is not None:
             raise ValueError(": ".join(problem))
 
+    def lora_use(self, name: str | None, scale: float = 1.0) -> LoraUse | None:
+        """A request's LoRA ``name`` at ``scale`` (None or "": none); LoraNotFound when it is not loaded here."""
+        if not name:
+            return None
+        if not math.isfinite(scale) or abs(scale) > MAX_LORA_SCALE:
+            raise ValueError(f"lora_scale must be in [-{MAX_LORA_SCALE}, {MAX_LORA_SCALE}], got {scale}")
+        if self.loras is None:
+            raise LoraNotFound(f"LoRA {name!r} is not loaded (this server loads no LoRAs)")
+        return self.loras.use(name, scale)
+
+    def unet_rows(self, states: Sequence[Denoising]) -> AbstractContextManager:
+        """Where ONE U-Net call that stacks the rows of ``states`` runs: under each one's LoRA, on its rows."""
+        return nullcontext() if self.loras is None else self.loras.unet_rows.rows(unet_row_groups(states))
+
     def encode_prompts(self, prompts: list[str]) -> torch.Tensor:
         """(B,) prompts -> (B, T, text dim) cross-attention context."""
         return self.model.text_encoder(self.tokenizer(prompts).to(self.device))
@@ -184,6 +208,8 @@ class DiffusionPipeline:
         mask: torch.Tensor | None = None,
         cache_threshold: float | None = None,
         masked: Posterior | None = None,
+        lora: str | None = None,
+        lora_scale: float = 1.0,
     ) -> Denoising:
         """One request, validated, its text encoded and its noise drawn, before its first step (the arguments are
         ``generate``'s). ``init`` (the VAE's posterior of an image at the request's size) makes it image-to-image
@@ -191,7 +217,8 @@ class DiffusionPipeline:
         (services/diffusion/edits.py). ``cache_threshold`` turns FirstBlockCache on for a diffusion transformer
         (services/diffusion/step_cache.py); None: off. ``masked``: the posterior of
         the image with the mask's region blacked out (image · (mask < 0.5)), which a 9-channel inpainting U-Net
-        reads."""
+        reads. ``lora`` names a loaded LoRA (services/diffusion/loras.py), applied at ``lora_scale`` to the U-Net and
+        to the encoding of the request's texts, as diffusers' ``cross_attention_kwargs={"scale": lora_scale}``."""
         scheduler = scheduler or self.model.default_scheduler
         guidance = guidance or self.model.default_guidance
         negative_weight = self.model.default_negative_weight if negative_weight is None else negative_weight
@@ -199,10 +226,11 @@ class DiffusionPipeline:
         size = (native_h if height is None else height, native_w if width is None else width)
         self._validate(prompts, negative_prompts, steps, guidance_scale, scheduler, eta, size, guidance,
                        negative_weight)
+        adapter = self.lora_use(lora, lora_scale)
         n = len(prompts)
         texts = list(prompts) + self._guidance_texts(n, negative_prompts, guidance, guidance_scale)
         # Every step reads the same text: each cross-attention projects it to keys and values once, not per step.
-        cache = self.encode_context(texts)  # (kN, T, D), k = 1, 2 or 3
+        cache = self.encode_context(texts, adapter)  # (kN, T, D), k = 1, 2 or 3
         if self.model.guidance == "embedded":  # Flux: the scale is the transformer's input, per row
             cache.guidance = torch.full((n,), float(guidance_scale), device=self.device)
         if cache_threshold is not None:
@@ -229,7 +257,7 @@ class DiffusionPipeline:
         tembs = self.model.unet.time_embed(timesteps.to(self.device), latents.dtype)  # (steps, temb_dim)
         return Denoising(latents, sampler, timesteps.to(self.device), tembs, cache, guidance, guidance_scale,
                          negative_weight, generator, self.model.scaling_factor, index=start,
-                         shift_factor=self.model.shift_factor, inpainting=inpainting)
+                         shift_factor=self.model.shift_factor, inpainting=inpainting, lora=adapter)
 
     def _edit_start(self, init: Posterior, mask: torch.Tensor | None, shape: tuple[int, ...], size: tuple[int, int],
                     sampler, generator: torch.Generator, start: int, strength: float, masked: Posterior | None = None
@@ -260,11 +288,16 @@ class DiffusionPipeline:
             masked_latents = None
         return latents, Inpainting(x0, noise, torch.cat([m] * (n // m.shape[0])), masked_latents)
 
-    def encode_context(self, texts: list[str]) -> ContextCache:
-        """The denoiser's context for these texts: TextConditioning for a DiT, else the encoder's states."""
+    def encode_context(self, texts: list[str], lora: LoraUse | None = None) -> ContextCache:
+        """The denoiser's context for these texts: TextConditioning for a DiT, else the encoder's states, encoded
+        under ``lora`` (a pipeline serving LoRAs keeps each request's cross-attention keys and values to its own)."""
         if self.model.conditioning is not None:
             return self.model.conditioning(texts)
-        return ContextCache(self.encode_prompts(texts))
+        if self.loras is None:
+            return ContextCache(self.encode_prompts(texts))
+        with self.loras.text_rows.rows([] if lora is None else [lora.text_group(len(texts))]):
+            states = self.encode_prompts(texts)  # (kN, T, D)
+        return AdaptedContext(states, self.loras.unet_rows, [] if lora is None else [lora.unet_group(0, len(texts))])
 
     def make_sampler(self, scheduler: str, eta: float, size: tuple[int, int]):
         """A fresh sampler: flow-match Euler for a flow model (its dynamic shift reads the image's token count),
@@ -280,7 +313,9 @@ class DiffusionPipeline:
     def step(self, state: Denoising) -> None:
         """One step of one request alone: its rows in one U-Net call."""
         x, t, temb = state.model_input()
-        state.advance(self.model.unet(x, t, state.context, temb=temb))
+        with self.unet_rows([state]):
+            out = self.model.unet(x, t, state.context, temb=temb)
+        state.advance(out)
 
     @torch.inference_mode()
     def generate(

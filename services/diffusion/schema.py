@@ -4,6 +4,8 @@ maps to a status. Torch-free: the ingress imports it without the model code."""
 
 from __future__ import annotations
 
+import re
+
 import grpc
 from pydantic import Field, ValidationInfo, field_validator
 from ray.serve.exceptions import BackPressureError
@@ -13,12 +15,15 @@ from genserve.services.diffusion.params import (
     DEFAULT_GUIDANCE_SCALE,
     DEFAULT_STEPS,
     GUIDANCE_MODES,
+    LORA_NAME,
     MAX_GUIDANCE_SCALE,
+    MAX_LORA_SCALE,
     MAX_NEGATIVE_WEIGHT,
     MAX_PROMPT_CHARS,
     MAX_STEPS,
     SCHEDULERS,
     GenerationCancelled,
+    LoraNotFound,
 )
 from genserve.shared.seeds import MAX_SEED
 
@@ -51,6 +56,22 @@ class DiffusionIn(Request):
     strength: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     mask: bytes = Field(b"", max_length=MAX_EDIT_BYTES)
     cache_threshold: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)  # services/diffusion/step_cache.py
+    lora: str = ""  # a LoRA loaded on the server (services/diffusion/loras.py); "": none
+    lora_scale: float | None = Field(None, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE, allow_inf_nan=False)
+
+    @field_validator("lora")
+    @classmethod
+    def _lora_name(cls, name: str) -> str:
+        if name and not re.fullmatch(LORA_NAME, name):
+            raise ValueError("a LoRA name is 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+        return name
+
+    @field_validator("lora_scale")
+    @classmethod
+    def _scale_needs_a_lora(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if value is not None and not info.data.get("lora"):
+            raise ValueError("needs a lora")
+        return value
 
     @field_validator("strength", "mask")
     @classmethod
@@ -76,5 +97,6 @@ class DiffusionIn(Request):
 # BackPressureError: the `vae` application's queue is full, so this request cannot be decoded now.
 KNOWN_ERRORS: dict[type[Exception], tuple[grpc.StatusCode, str | None]] = {
     GenerationCancelled: (grpc.StatusCode.CANCELLED, None),
+    LoraNotFound: (grpc.StatusCode.NOT_FOUND, "lora"),
     BackPressureError: (grpc.StatusCode.RESOURCE_EXHAUSTED, None),
 }

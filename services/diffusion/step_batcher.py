@@ -5,9 +5,10 @@ requests join while their U-Net rows fit the budget (`max_rows`: images × passe
 request's rows (prompts, unconditional texts, negatives) in ONE U-Net call per latent shape (requests of different
 image sizes cannot share a call), and hands each request its own rows of the answer for its own sampler step
 (services/diffusion/denoising.py). A request keeps its own timesteps, sampler and its state, step count, guidance
-mode, scale and negative prompt, and seed; it leaves the batch when its last step is done, and the loop goes on with
-the others. This is the continuous batching of Orca (Yu et al., OSDI 2022) at denoising-step rather than token
-granularity.
+mode, scale and negative prompt, seed, and LoRA: requests with different LoRAs (or none) still share the call, each
+LoRA's delta added on its request's rows only (services/diffusion/lora_rows.py); it leaves the batch when its last step
+is done, and the loop goes on with the others. This is the continuous batching of Orca (Yu et al., OSDI 2022) at
+denoising-step rather than token granularity.
 
 When the loop is idle, the first request waits `wait_s` for others to start with it; a request that arrives while
 the loop runs joins at the next step boundary, so its first step starts within one step's time (plus `wait_s` when
@@ -19,8 +20,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -75,13 +77,17 @@ class StepBatcher:
     """`submit(state)` -> a Future of the request's final latents, served by one shared denoising loop.
 
     `on_batch(images, waits)`, if given, sees every U-Net call: the images it denoises and, for each request that
-    joined at that step, its seconds from submit to its first step (the metrics, services/common/metrics.py)."""
+    joined at that step, its seconds from submit to its first step (the metrics, services/common/metrics.py).
+    `unet_rows(states)` (DiffusionPipeline.unet_rows), needed when requests carry LoRAs, is the context each U-Net
+    call runs in: every request's LoRA on its own rows of the shared call (services/diffusion/lora_rows.py)."""
 
     def __init__(self, unet: UNet, max_rows: int, wait_s: float,
-                 on_batch: Callable[[int, list[float]], None] | None = None) -> None:
+                 on_batch: Callable[[int, list[float]], None] | None = None,
+                 unet_rows: Callable[[Sequence[Denoising]], AbstractContextManager] | None = None) -> None:
         if max_rows < 1 or wait_s < 0:
             raise ValueError(f"need max_rows >= 1 and wait_s >= 0, got {max_rows} and {wait_s}")
         self.unet, self.max_rows, self.wait_s, self.on_batch = unet, max_rows, wait_s, on_batch
+        self.unet_rows = unet_rows
         self._cv = threading.Condition()
         self._pending: list[StepJob] = []
         self._active: list[StepJob] = []
@@ -96,6 +102,8 @@ class StepBatcher:
         its steps; `should_cancel()` is read at every step boundary and ends the request with `GenerationCancelled`."""
         if state.rows > self.max_rows:
             raise ValueError(f"a request of {state.rows} U-Net rows does not fit a step of at most {self.max_rows}")
+        if state.lora is not None and self.unet_rows is None:
+            raise ValueError("a request with a LoRA needs a step batcher given the pipeline's unet_rows")
         job = StepJob(state, on_step, should_cancel)
         with self._cv:
             if self._closed:
@@ -204,13 +212,16 @@ class StepBatcher:
     def _call(self, jobs: list[StepJob]) -> list[torch.Tensor]:
         """Every request's rows in one U-Net call; each request's own rows of the answer back, in order."""
         inputs = [job.state.model_input() for job in jobs]
+        adapted = nullcontext() if self.unet_rows is None else self.unet_rows([job.state for job in jobs])
         if len(jobs) == 1:
             x, t, temb = inputs[0]
-            return [self.unet(x, t, jobs[0].state.context, temb=temb)]
+            with adapted:
+                return [self.unet(x, t, jobs[0].state.context, temb=temb)]
         x = torch.cat([x for x, _, _ in inputs])
         t = torch.cat([t for _, t, _ in inputs])
         temb = torch.cat([temb.expand(len(rows), -1) for rows, _, temb in inputs])
-        out = self.unet(x, t, StackedContext([job.state.context for job in jobs]), temb=temb)
+        with adapted:
+            out = self.unet(x, t, StackedContext([job.state.context for job in jobs]), temb=temb)
         return list(out.split([job.state.rows for job in jobs]))
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from genserve.v1 import common_pb2 as genserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bgenserve/v1/diffusion.proto\x12\x0bgenserve.v1\x1a\x18genserve/v1/common.proto\"\x8b\x04\n\x10\x44iffusionRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x17\n\x0fnegative_prompt\x18\x02 \x01(\t\x12\x17\n\nnum_images\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\x05steps\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x1b\n\x0eguidance_scale\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12\x11\n\tscheduler\x18\x07 \x01(\t\x12\x10\n\x03\x65ta\x18\x08 \x01(\x02H\x04\x88\x01\x01\x12\x15\n\rpreview_every\x18\t \x01(\x05\x12\x12\n\x05width\x18\n \x01(\x05H\x05\x88\x01\x01\x12\x13\n\x06height\x18\x0b \x01(\x05H\x06\x88\x01\x01\x12\x10\n\x08guidance\x18\x0c \x01(\t\x12\x1c\n\x0fnegative_weight\x18\r \x01(\x02H\x07\x88\x01\x01\x12\x12\n\ninit_image\x18\x0e \x01(\x0c\x12\x15\n\x08strength\x18\x0f \x01(\x02H\x08\x88\x01\x01\x12\x0c\n\x04mask\x18\x10 \x01(\x0c\x12\x1c\n\x0f\x63\x61\x63he_threshold\x18\x11 \x01(\x02H\t\x88\x01\x01\x42\r\n\x0b_num_imagesB\x08\n\x06_stepsB\x11\n\x0f_guidance_scaleB\x07\n\x05_seedB\x06\n\x04_etaB\x08\n\x06_widthB\t\n\x07_heightB\x12\n\x10_negative_weightB\x0b\n\t_strengthB\x12\n\x10_cache_threshold\"I\n\x11\x44iffusionProgress\x12\x0c\n\x04step\x18\x01 \x01(\x05\x12\x13\n\x0btotal_steps\x18\x02 \x01(\x05\x12\x11\n\telapsed_s\x18\x03 \x01(\x02\"D\n\x10\x44iffusionPreview\x12\x0c\n\x04step\x18\x01 \x01(\x05\x12\"\n\x06images\x18\x02 \x03(\x0b\x32\x12.genserve.v1.Image\"\xae\x01\n\x0e\x44iffusionEvent\x12\x32\n\x08progress\x18\x01 \x01(\x0b\x32\x1e.genserve.v1.DiffusionProgressH\x00\x12\x30\n\x07preview\x18\x02 \x01(\x0b\x32\x1d.genserve.v1.DiffusionPreviewH\x00\x12-\n\x06result\x18\x03 \x01(\x0b\x32\x1b.genserve.v1.ImagesResponseH\x00\x42\x07\n\x05\x65vent2\xa3\x01\n\tDiffusion\x12\x46\n\x08Generate\x12\x1d.genserve.v1.DiffusionRequest\x1a\x1b.genserve.v1.ImagesResponse\x12N\n\x0eGenerateStream\x12\x1d.genserve.v1.DiffusionRequest\x1a\x1b.genserve.v1.DiffusionEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bgenserve/v1/diffusion.proto\x12\x0bgenserve.v1\x1a\x18genserve/v1/common.proto\"\xc1\x04\n\x10\x44iffusionRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x17\n\x0fnegative_prompt\x18\x02 \x01(\t\x12\x17\n\nnum_images\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\x05steps\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x1b\n\x0eguidance_scale\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12\x11\n\tscheduler\x18\x07 \x01(\t\x12\x10\n\x03\x65ta\x18\x08 \x01(\x02H\x04\x88\x01\x01\x12\x15\n\rpreview_every\x18\t \x01(\x05\x12\x12\n\x05width\x18\n \x01(\x05H\x05\x88\x01\x01\x12\x13\n\x06height\x18\x0b \x01(\x05H\x06\x88\x01\x01\x12\x10\n\x08guidance\x18\x0c \x01(\t\x12\x1c\n\x0fnegative_weight\x18\r \x01(\x02H\x07\x88\x01\x01\x12\x12\n\ninit_image\x18\x0e \x01(\x0c\x12\x15\n\x08strength\x18\x0f \x01(\x02H\x08\x88\x01\x01\x12\x0c\n\x04mask\x18\x10 \x01(\x0c\x12\x1c\n\x0f\x63\x61\x63he_threshold\x18\x11 \x01(\x02H\t\x88\x01\x01\x12\x0c\n\x04lora\x18\x12 \x01(\t\x12\x17\n\nlora_scale\x18\x13 \x01(\x02H\n\x88\x01\x01\x42\r\n\x0b_num_imagesB\x08\n\x06_stepsB\x11\n\x0f_guidance_scaleB\x07\n\x05_seedB\x06\n\x04_etaB\x08\n\x06_widthB\t\n\x07_heightB\x12\n\x10_negative_weightB\x0b\n\t_strengthB\x12\n\x10_cache_thresholdB\r\n\x0b_lora_scale\"I\n\x11\x44iffusionProgress\x12\x0c\n\x04step\x18\x01 \x01(\x05\x12\x13\n\x0btotal_steps\x18\x02 \x01(\x05\x12\x11\n\telapsed_s\x18\x03 \x01(\x02\"D\n\x10\x44iffusionPreview\x12\x0c\n\x04step\x18\x01 \x01(\x05\x12\"\n\x06images\x18\x02 \x03(\x0b\x32\x12.genserve.v1.Image\"\xae\x01\n\x0e\x44iffusionEvent\x12\x32\n\x08progress\x18\x01 \x01(\x0b\x32\x1e.genserve.v1.DiffusionProgressH\x00\x12\x30\n\x07preview\x18\x02 \x01(\x0b\x32\x1d.genserve.v1.DiffusionPreviewH\x00\x12-\n\x06result\x18\x03 \x01(\x0b\x32\x1b.genserve.v1.ImagesResponseH\x00\x42\x07\n\x05\x65vent2\xa3\x01\n\tDiffusion\x12\x46\n\x08Generate\x12\x1d.genserve.v1.DiffusionRequest\x1a\x1b.genserve.v1.ImagesResponse\x12N\n\x0eGenerateStream\x12\x1d.genserve.v1.DiffusionRequest\x1a\x1b.genserve.v1.DiffusionEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'genserve.v1.diffusion_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DIFFUSIONREQUEST']._serialized_start=71
-  _globals['_DIFFUSIONREQUEST']._serialized_end=594
-  _globals['_DIFFUSIONPROGRESS']._serialized_start=596
-  _globals['_DIFFUSIONPROGRESS']._serialized_end=669
-  _globals['_DIFFUSIONPREVIEW']._serialized_start=671
-  _globals['_DIFFUSIONPREVIEW']._serialized_end=739
-  _globals['_DIFFUSIONEVENT']._serialized_start=742
-  _globals['_DIFFUSIONEVENT']._serialized_end=916
-  _globals['_DIFFUSION']._serialized_start=919
-  _globals['_DIFFUSION']._serialized_end=1082
+  _globals['_DIFFUSIONREQUEST']._serialized_end=648
+  _globals['_DIFFUSIONPROGRESS']._serialized_start=650
+  _globals['_DIFFUSIONPROGRESS']._serialized_end=723
+  _globals['_DIFFUSIONPREVIEW']._serialized_start=725
+  _globals['_DIFFUSIONPREVIEW']._serialized_end=793
+  _globals['_DIFFUSIONEVENT']._serialized_start=796
+  _globals['_DIFFUSIONEVENT']._serialized_end=970
+  _globals['_DIFFUSION']._serialized_start=973
+  _globals['_DIFFUSION']._serialized_end=1136
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DiffusionRequest(_message.Message):
-    __slots__ = ("prompt", "negative_prompt", "num_images", "steps", "guidance_scale", "seed", "scheduler", "eta", "preview_every", "width", "height", "guidance", "negative_weight", "init_image", "strength", "mask", "cache_threshold")
+    __slots__ = ("prompt", "negative_prompt", "num_images", "steps", "guidance_scale", "seed", "scheduler", "eta", "preview_every", "width", "height", "guidance", "negative_weight", "init_image", "strength", "mask", "cache_threshold", "lora", "lora_scale")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
     NUM_IMAGES_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,8 @@ class DiffusionRequest(_message.Message):
     STRENGTH_FIELD_NUMBER: _ClassVar[int]
     MASK_FIELD_NUMBER: _ClassVar[int]
     CACHE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    LORA_SCALE_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     negative_prompt: str
     num_images: int
@@ -43,7 +45,9 @@ class DiffusionRequest(_message.Message):
     strength: float
     mask: bytes
     cache_threshold: float
-    def __init__(self, prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., num_images: _Optional[int] = ..., steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., scheduler: _Optional[str] = ..., eta: _Optional[float] = ..., preview_every: _Optional[int] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., guidance: _Optional[str] = ..., negative_weight: _Optional[float] = ..., init_image: _Optional[bytes] = ..., strength: _Optional[float] = ..., mask: _Optional[bytes] = ..., cache_threshold: _Optional[float] = ...) -> None: ...
+    lora: str
+    lora_scale: float
+    def __init__(self, prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., num_images: _Optional[int] = ..., steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., scheduler: _Optional[str] = ..., eta: _Optional[float] = ..., preview_every: _Optional[int] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., guidance: _Optional[str] = ..., negative_weight: _Optional[float] = ..., init_image: _Optional[bytes] = ..., strength: _Optional[float] = ..., mask: _Optional[bytes] = ..., cache_threshold: _Optional[float] = ..., lora: _Optional[str] = ..., lora_scale: _Optional[float] = ...) -> None: ...
 
 class DiffusionProgress(_message.Message):
     __slots__ = ("step", "total_steps", "elapsed_s")
