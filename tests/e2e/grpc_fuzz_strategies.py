@@ -340,6 +340,8 @@ PRESENCE = {
     "genserve.v1.TextRequest.json_schema": 0.1,
     "genserve.v1.TextRequest.regex": 0.1,
     "genserve.v1.TextRequest.adapter": 0.1,  # a name not loaded ends the request at NOT_FOUND, before the engine
+    "genserve.v1.DiffusionRequest.lora": 0.1,  # likewise: an unknown LoRA is NOT_FOUND before the denoising loop
+    "genserve.v1.DiffusionRequest.lora_scale": 0.1,
     "genserve.v1.TokenizeRequest.text": 0.6,
     "genserve.v1.TokenizeRequest.messages": 0.4,
 }
@@ -356,8 +358,11 @@ EXCLUSIVE = (
 
 
 def approx_size(value: Any) -> int:
-    """Bytes a drawn value takes on the wire, roughly (strings, bytes and lists dominate)."""
-    if isinstance(value, str | bytes):
+    """Bytes a drawn value takes on the wire, roughly (strings, bytes and lists dominate); a string counts its UTF-8
+    bytes, up to 4 a character."""
+    if isinstance(value, str):
+        return len(value.encode("utf-8", "surrogatepass"))
+    if isinstance(value, bytes):
         return len(value)
     if isinstance(value, dict):
         return sum(approx_size(v) for v in value.values())
