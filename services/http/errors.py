@@ -115,7 +115,8 @@ def describe(exc: BaseException, request_id: str, fields: Mapping[str, str] | No
     message = status.details
     if internal and param and message.startswith(internal):
         message = param + message[len(internal):]
-    return http, error_body(http, message, param)
+    # OpenAI's model_not_found names the model in its message and leaves param null.
+    return http, error_body(http, message, None if (http, param) == (404, "model") else param)
 
 
 def to_error(exc: BaseException, request_id: str, fields: Mapping[str, str] | None = None,

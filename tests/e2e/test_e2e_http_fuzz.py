@@ -65,10 +65,11 @@ def test_no_generated_request_gets_a_server_error(stack) -> None:
     sent = [s for codes in statuses.values() for s in codes]
     assert {label.split(" ")[1] for label in statuses} == {
         "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/images/generations", "/v1/images/edits",
-        "/v1/responses",
-        "/v1/responses/{response_id}"}
+        "/v1/responses", "/v1/responses/{response_id}", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
     assert len(sent) >= MIN_REQUESTS, {k: len(v) for k, v in statuses.items()}
     assert all(code < 500 for code in sent)
-    # Positive requests mostly reach the models: not everything may come back as 4xx.
-    positive = [s for label, codes in statuses.items() if label.endswith("positive") for s in codes]
+    # Positive requests mostly reach the models: not everything may come back as 4xx. The admin routes are left out:
+    # this stack has no `lora` serve config, so every load and unload there is refused with a 400.
+    positive = [s for label, codes in statuses.items()
+                if label.endswith("positive") and "lora_adapter" not in label for s in codes]
     assert sum(code == 200 for code in positive) >= len(positive) // 4, statuses

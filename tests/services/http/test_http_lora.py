@@ -1,6 +1,6 @@
 """LoRA adapters in the OpenAI API without a stack: `model` names an adapter (chat, completions, responses), an
-unknown one is 404 `model_not_found` naming it, the admin routes' errors name `lora_name` / `lora_path`. The routes
-through the real stack: tests/e2e/test_e2e_auth.py."""
+unknown one is 404 `model_not_found` naming it (param null, as OpenAI's), the admin routes' errors name `lora_name` /
+`lora_path`. The routes through the real stack: tests/e2e/test_e2e_auth.py."""
 
 from __future__ import annotations
 
@@ -35,15 +35,16 @@ def test_a_model_no_adapter_may_be_named_is_404_naming_it(model: str) -> None:
     assert status == 404 and body["error"]["code"] == "model_not_found"
 
 
-def test_an_adapter_not_loaded_is_404_model_not_found_naming_it_and_the_model_field() -> None:
+def test_an_adapter_not_loaded_is_404_model_not_found_naming_it_in_openais_shape() -> None:
     fields = text.body_fields(ChatBody.model_validate({**CHAT, "model": "sql"}))
     status, body = describe(AdapterNotFound("adapter 'sql' is not loaded"), "rid", fields, TEXT_ERRORS)
     assert status == 404
     assert body["error"] == {"message": "model: adapter 'sql' is not loaded", "type": "invalid_request_error",
-                             "param": "model", "code": "model_not_found"}
+                             "param": None, "code": "model_not_found"}
     status, body = describe(AdapterNotFound("adapter 'sql' is not loaded"), "rid", responses.FIELDS,
                             responses.KNOWN)
-    assert (status, body["error"]["param"]) == (404, "model")
+    assert (status, body["error"]["param"]) == (404, None)
+    assert body["error"]["message"] == "model: adapter 'sql' is not loaded"
 
 
 def test_the_admin_routes_errors_name_their_body_fields() -> None:
