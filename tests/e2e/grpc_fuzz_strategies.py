@@ -340,8 +340,6 @@ PRESENCE = {
     "genserve.v1.TextRequest.json_schema": 0.1,
     "genserve.v1.TextRequest.regex": 0.1,
     "genserve.v1.TextRequest.adapter": 0.1,  # a name not loaded ends the request at NOT_FOUND, before the engine
-    "genserve.v1.DiffusionRequest.lora": 0.1,  # likewise: an unknown LoRA is NOT_FOUND before the denoising loop
-    "genserve.v1.DiffusionRequest.lora_scale": 0.1,
     "genserve.v1.TokenizeRequest.text": 0.6,
     "genserve.v1.TokenizeRequest.messages": 0.4,
 }
