@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from text_helpers import VOCAB, byte_tokenizer, hf_model, make_engine, save_hf
+from text_helpers import VOCAB, admit, byte_tokenizer, hf_model, ids, make_engine, save_hf
 
 from genserve.services.text.engine.engine import EngineConfig, LLMEngine
 from genserve.services.text.engine.kv_cache import BlockManager, KVGroup, kv_groups
@@ -20,16 +20,6 @@ WINDOW = 8
 GEMMA3_LAYERS = ["sliding_attention"] * 5 + ["full_attention"]  # 5 of 6 layers slide, as in Gemma 3
 
 
-def ids(n: int, seed: int) -> list[int]:
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def admit(bm: BlockManager, seq_id: str, tokens: list[int]) -> int:
-    """Match, grow, compute and register a whole prompt, as the scheduler and engine do; the hit tokens."""
-    hit = bm.match_prefix(seq_id, tokens, [])
-    bm.grow(seq_id, len(tokens))
-    bm.register(seq_id, tokens, [], len(tokens))
-    return hit
 
 
 @pytest.fixture(scope="module")

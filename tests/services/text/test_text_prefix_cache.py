@@ -5,25 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from text_helpers import VOCAB, byte_tokenizer, hf_model, save_hf
+from text_helpers import VOCAB, admit, byte_tokenizer, hf_model, ids, save_hf
 
 from genserve.services.text.engine.engine import EngineConfig, LLMEngine
 from genserve.services.text.engine.kv_cache import BlockManager, block_hash
 from genserve.services.text.engine.params import SamplingParams
 from genserve.services.text.loader import load_model
 from genserve.services.text.runners.cpu import CpuRunner
-
-
-def ids(n: int, seed: int) -> list[int]:
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def admit(bm: BlockManager, seq_id: str, tokens: list[int]) -> int:
-    """What the scheduler and engine do for a whole prompt: match, grow, compute, register; the hit tokens."""
-    hit = bm.match_prefix(seq_id, tokens, [])
-    bm.grow(seq_id, len(tokens))
-    bm.register(seq_id, tokens, [], len(tokens))
-    return hit
 
 
 # ---- the block manager --------------------------------------------------------------------------------------

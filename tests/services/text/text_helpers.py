@@ -8,6 +8,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from genserve.services.text.engine.engine import EngineConfig, LLMEngine
+from genserve.services.text.engine.kv_cache import BlockManager
 from genserve.services.text.loader import load_model
 from genserve.services.text.tokenizer import TextTokenizer
 
@@ -60,3 +61,16 @@ def save_hf(model, directory: Path, sharded: bool) -> Path:
 
 def make_engine(directory: Path, **config) -> LLMEngine:
     return LLMEngine(load_model(directory), byte_tokenizer(), EngineConfig(**config))
+
+
+def ids(n: int, seed: int) -> list[int]:
+    """`n` random token ids of the byte vocabulary, the same for the same seed."""
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def admit(bm: BlockManager, seq_id: str, tokens: list[int]) -> int:
+    """What the scheduler and engine do for a whole prompt: match, grow, compute, register; the hit tokens."""
+    hit = bm.match_prefix(seq_id, tokens, [])
+    bm.grow(seq_id, len(tokens))
+    bm.register(seq_id, tokens, [], len(tokens))
+    return hit
