@@ -31,7 +31,7 @@ from genserve.services.client import Client
 from genserve.services.common.builder import model_dir_env
 from genserve.services.common.weights import committed_weights
 from genserve.services.serve import READY_LINE
-from tests.e2e.serve_configs import serve_config
+from tests.e2e.serve_configs import DRAIN_S, serve_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_TEXT_MODEL = committed_weights("text")
@@ -163,10 +163,12 @@ _open_stacks: dict[str, ExitStack] = {}  # a shared stack's fixture name -> what
 _last_users: dict[str, str] = {}  # a shared stack's fixture name -> the node id of the last test that uses it
 
 
-def _stack_group(items: list[pytest.Item]) -> int:
-    """0: the module uses no shared stack; 1: it uses `stack`; 2: `smollm2_stack` only."""
+def _stack_group(items: list[pytest.Item]) -> tuple[int, bool]:
+    """(0: the module uses no shared stack, 1: it uses `stack`, 2: `smollm2_stack` only; whether it ends the stack,
+    so goes last in its group)."""
     used = {name for item in items for name in SHARED_STACKS if name in item.fixturenames}
-    return 1 if "stack" in used else 2 if used else 0
+    ends = any(item.get_closest_marker("ends_stack") for item in items)
+    return (1 if "stack" in used else 2 if used else 0), ends
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -223,7 +225,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, base_port: int) -> Iterator[
     missing = _missing_weights()
     if missing:
         pytest.fail(f"no weights to serve: {', '.join(missing)}")
-    with shared("stack", serving(base_port, tmp_path_factory.mktemp("stack") / "serve.log")) as running:
+    log = tmp_path_factory.mktemp("stack") / "serve.log"
+    with shared("stack", serving(base_port, log, "--drain-seconds", str(DRAIN_S))) as running:
         yield running
 
 

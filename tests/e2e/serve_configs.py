@@ -9,6 +9,10 @@ import yaml
 
 from genserve.services.common.deploy_config import LOCAL_PATH
 
+# The session stack's drain time (`--drain-seconds`): its last module (tests/e2e/test_e2e_drain.py) ends it with
+# SIGTERM while 8 streams are in flight, which a busy machine must fit them in.
+DRAIN_S = 40.0
+
 
 def serve_config(folder: Path, apps: tuple[str, ...], args: dict[str, dict[str, Any]] | None = None,
                  one_replica: tuple[str, ...] = ()) -> Path:

@@ -1,7 +1,7 @@
-"""Graceful drain and SDK retries, on a stack of this module's own (port block base+20): the retry test kills one of
-its replicas, and the drain test ends it with SIGTERM, so neither can run on the shared session stack. Calls cut
-short at the drain's deadline (CANCELLED) are tested in tests/services/common/test_common_drain.py: on a stack, no
-call here outlasts a drain time that the 8 streams are sure to fit in on a busy machine.
+"""Graceful drain and SDK retries, on the session stack as its last user (pytest.mark.ends_stack orders this module
+after every other that uses it): the retry test kills one of its replicas, and the drain test ends it with SIGTERM.
+Calls cut short at the drain's deadline (CANCELLED) are tested in tests/services/common/test_common_drain.py: on a
+stack, no call here outlasts a drain time that the 8 streams are sure to fit in on a busy machine.
 
 Processes are the stack's own: the serve process's descendants (other stacks may run Ray on the same machine)."""
 
@@ -13,8 +13,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
 from typing import Any
 
 import grpc
@@ -25,30 +23,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from genserve.services.client import Client
 from genserve.services.client.errors import GenserveError
 from genserve.v1 import text_pb2, text_pb2_grpc
-from tests.e2e.serve_configs import serve_config
+from tests.e2e.serve_configs import DRAIN_S
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.ends_stack]
 
-DRAIN_S = 40.0
 STREAMS = 8
 # The grammar holds the demo model to about 190 tokens, no early EOS: ~11 s for all 8 at once on 2 busy cores.
 SHORT = r"(the cat sat on the mat\. ){10}"
 TEXT, HEALTH = (("application", "text"),), (("application", "health"),)
-# The text service's health (the empty name covers all four model apps, and this stack deploys text and gan only).
+# The text service's health (the empty name covers all four model apps).
 TEXT_HEALTH = health_pb2.HealthCheckRequest(service="genserve.v1.TextGeneration")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 EXIT_TIMEOUT_S = 90.0
 KILL_LOOP_S = 20.0
-
-
-@pytest.fixture(scope="module")
-def own(serve: Callable[..., AbstractContextManager], base_port: int,
-        tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    folder = tmp_path_factory.mktemp("drain")
-    config = serve_config(folder, ("text", "gan", "http", "health"))  # the apps these tests call
-    with serve(base_port + 20, folder / "serve.log", "--config", str(config), "--drain-seconds", str(DRAIN_S)) as stack:
-        yield stack
 
 
 def processes(stack: Any) -> list[psutil.Process]:
@@ -66,16 +54,16 @@ def replica(stack: Any, name: str) -> psutil.Process | None:
     return None
 
 
-def test_idempotent_calls_ride_over_a_killed_replica(own: Any) -> None:
+def test_idempotent_calls_ride_over_a_killed_replica(stack: Any) -> None:
     """kill -9 of the gan replica while two clients loop over seeded GAN samples, GetModelInfo and Tokenize: the
     SDK's retry policy carries every call (the proxy reports the call cut off by the death as INTERNAL, the others
     wait for a live replica)."""
-    victim = replica(own, "ServeReplica:gan:ImageGan")
+    victim = replica(stack, "ServeReplica:gan:ImageGan")
     assert victim is not None
     stop, ok, failures = threading.Event(), [0], []
 
     def loop(client_seed: int) -> None:
-        with Client(own.address, timeout=60) as client:
+        with Client(stack.address, timeout=60) as client:
             i = 0
             while not stop.is_set():
                 try:
@@ -96,7 +84,7 @@ def test_idempotent_calls_ride_over_a_killed_replica(own: Any) -> None:
         victim.send_signal(signal.SIGKILL)
         deadline = time.monotonic() + KILL_LOOP_S
         while time.monotonic() < deadline:
-            back = replica(own, "ServeReplica:gan:ImageGan")
+            back = replica(stack, "ServeReplica:gan:ImageGan")
             if back is not None and back.pid != victim.pid and ok[0] > before + 20:
                 break
             time.sleep(0.5)
@@ -108,7 +96,7 @@ def test_idempotent_calls_ride_over_a_killed_replica(own: Any) -> None:
     assert not victim.is_running()
     assert failures == []
     assert ok[0] > before + 20  # calls went on through the restart
-    back = replica(own, "ServeReplica:gan:ImageGan")
+    back = replica(stack, "ServeReplica:gan:ImageGan")
     assert back is not None and back.pid != victim.pid
 
 
@@ -187,8 +175,8 @@ async def drain_scenario(stack: Any) -> dict:
     return seen
 
 
-def test_sigterm_drains_calls_in_flight_refuses_new_ones_and_leaves_no_ray_process(own: Any) -> None:
-    seen = asyncio.run(drain_scenario(own))
+def test_sigterm_drains_calls_in_flight_refuses_new_ones_and_leaves_no_ray_process(stack: Any) -> None:
+    seen = asyncio.run(drain_scenario(stack))
     assert seen["unfinished_at_sigterm"] == STREAMS
     assert seen["watch_before"] == [SERVING, SERVING]
     assert seen["watch_after"] == [NOT_SERVING, NOT_SERVING]
