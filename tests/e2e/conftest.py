@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -158,17 +159,18 @@ def serving(base: int, log: Path, *options: str, env: dict[str, str] | None = No
         _stop(process)
 
 
-SHARED_STACKS = ("stack", "smollm2_stack")
+# A shared stack's fixture name -> its group: the e2e modules run grouped by the stack they use.
+SHARED_STACKS = {"stack": 1, "smollm2_stack": 2, "models_stack": 3}
 _open_stacks: dict[str, ExitStack] = {}  # a shared stack's fixture name -> what stops it
 _last_users: dict[str, str] = {}  # a shared stack's fixture name -> the node id of the last test that uses it
 
 
 def _stack_group(items: list[pytest.Item]) -> tuple[int, bool]:
-    """(0: the module uses no shared stack, 1: it uses `stack`, 2: `smollm2_stack` only; whether it ends the stack,
-    so goes last in its group)."""
-    used = {name for item in items for name in SHARED_STACKS if name in item.fixturenames}
+    """(the module's SHARED_STACKS group, the first one it uses in that order, or 0 for none; whether it ends the
+    stack, so goes last in its group)."""
+    groups = [group for name, group in SHARED_STACKS.items() if any(name in item.fixturenames for item in items)]
     ends = any(item.get_closest_marker("ends_stack") for item in items)
-    return (1 if "stack" in used else 2 if used else 0), ends
+    return min(groups, default=0), ends
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -245,6 +247,39 @@ def smollm2_stack(tmp_path_factory: pytest.TempPathFactory, base_port: int) -> I
     config = serve_config(folder, ("text", "http"), one_replica=("text",))
     with shared("smollm2_stack", serving(base_port + 40, folder / "serve.log", "--config", str(config),
                                          "--text-model", str(gguf))) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def deepseek(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    """(the transformers model, its folder): models_stack's text model."""
+    from tests.e2e.served_checkpoints import deepseek_checkpoint  # transformers: only for the modules that use it
+
+    folder = tmp_path_factory.mktemp("deepseek")
+    return deepseek_checkpoint(folder), folder
+
+
+@pytest.fixture(scope="session")
+def sd_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """models_stack's Stable Diffusion folder (the diffusion app; its vae/ is the vae app)."""
+    from tests.e2e.served_checkpoints import sd_pipeline  # diffusers: only for the modules that use it
+
+    return sd_pipeline(tmp_path_factory.mktemp("sd"))
+
+
+@pytest.fixture(scope="session")
+def models_stack(deepseek: tuple[Any, Path], sd_folder: Path, tmp_path_factory: pytest.TempPathFactory,
+                 base_port: int) -> Iterator[Stack]:
+    """Checkpoints made here behind the text, vae, diffusion and http apps, on the block at base_port + 60:
+    GENSERVE_DIFFUSION_MODEL=DIR makes `diffusion` serve the Stable Diffusion folder and `vae` its vae/, and the
+    text app serves the DeepSeek-V3 checkpoint with the engine settings of served_checkpoints.TEXT_ARGS."""
+    from tests.e2e.served_checkpoints import TEXT_ARGS
+
+    folder = tmp_path_factory.mktemp("models-stack")
+    config = serve_config(folder, ("text", "vae", "diffusion", "http"), {"text": TEXT_ARGS})
+    env = {"GENSERVE_DIFFUSION_MODEL": str(sd_folder)}
+    with shared("models_stack", serving(base_port + 60, folder / "serve.log", "--config", str(config),
+                                        "--text-model", str(deepseek[1]), env=env)) as running:
         yield running
 
 

@@ -2,7 +2,8 @@
 `vae` serve its vae/; a seeded Generate returns diffusers' StableDiffusionPipeline image within 2/255, and a bad
 size is INVALID_ARGUMENT naming the field. Edits too: a seeded image-to-image Generate (init_image, strength) is
 diffusers' StableDiffusionImg2ImgPipeline image, and the official openai client's images.edit (multipart, with a
-mask) is StableDiffusionInpaintPipeline's. Its own small stack (vae + diffusion + http), 50 ports above the e2e block.
+mask) is StableDiffusionInpaintPipeline's. On the session's models_stack (tests/e2e/conftest.py), which serves the
+folder of the sd_folder fixture.
 """
 
 from __future__ import annotations
@@ -18,30 +19,14 @@ import torch
 from PIL import Image
 
 from genserve.services.client import Client, GenserveError
-from tests.e2e.serve_configs import serve_config
-from tests.services.diffusion.tiny_sd import build_tiny_sd
 
 pytestmark = pytest.mark.e2e
 PROMPT = "An astronaut riding a horse, oil painting"
 
 
 @pytest.fixture(scope="module")
-def sd_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_sd(tmp_path_factory.mktemp("sd") / "pipeline", latent=8)
-
-
-@pytest.fixture(scope="module")
-def sd_stack(sd_folder: Path, tmp_path_factory: pytest.TempPathFactory, serve, base_port: int) -> Iterator:
-    root = tmp_path_factory.mktemp("sd-stack")
-    config = serve_config(root, ("vae", "diffusion", "http"))
-    env = {"GENSERVE_DIFFUSION_MODEL": str(sd_folder)}
-    with serve(base_port + 50, root / "serve.log", "--config", str(config), env=env) as stack:
-        yield stack
-
-
-@pytest.fixture(scope="module")
-def sd_client(sd_stack) -> Iterator[Client]:
-    with Client(sd_stack.address, timeout=120) as client:
+def sd_client(models_stack) -> Iterator[Client]:
+    with Client(models_stack.address, timeout=120) as client:
         yield client
 
 
@@ -92,7 +77,7 @@ def edit_inputs() -> tuple[np.ndarray, np.ndarray]:
     return pixels, mask
 
 
-def test_img2img_over_grpc_is_the_diffusers_image(sd_folder: Path, sd_stack, edit_inputs) -> None:
+def test_img2img_over_grpc_is_the_diffusers_image(sd_folder: Path, models_stack, edit_inputs) -> None:
     from diffusers import StableDiffusionImg2ImgPipeline
 
     from genserve.v1 import diffusion_pb2, diffusion_pb2_grpc
@@ -105,18 +90,18 @@ def test_img2img_over_grpc_is_the_diffusers_image(sd_folder: Path, sd_stack, edi
                    generator=torch.Generator("cpu").manual_seed(5), output_type="np").images
     request = diffusion_pb2.DiffusionRequest(prompt=PROMPT, init_image=_png(pixels), strength=0.6, steps=4,
                                              guidance_scale=7.5, seed=5)
-    with grpc.insecure_channel(sd_stack.address) as channel:
+    with grpc.insecure_channel(models_stack.address) as channel:
         reply = diffusion_pb2_grpc.DiffusionStub(channel).Generate(request, metadata=(("application", "diffusion"),),
                                                                    timeout=120)
     assert [(i.width, i.height) for i in reply.images] == [(80, 48)]  # the image's own size
     assert np.abs(_pixels(reply.images[0].png) - np.round(expected[0] * 255)).max() <= 2
-    with grpc.insecure_channel(sd_stack.address) as channel, pytest.raises(grpc.RpcError) as info:
+    with grpc.insecure_channel(models_stack.address) as channel, pytest.raises(grpc.RpcError) as info:
         bad = diffusion_pb2.DiffusionRequest(prompt=PROMPT, init_image=_png(pixels), mask=_png(pixels[:, :40]))
         diffusion_pb2_grpc.DiffusionStub(channel).Generate(bad, metadata=(("application", "diffusion"),), timeout=60)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("mask: ")
 
 
-def test_openai_images_edit_is_the_diffusers_inpainting(sd_folder: Path, sd_stack, edit_inputs) -> None:
+def test_openai_images_edit_is_the_diffusers_inpainting(sd_folder: Path, models_stack, edit_inputs) -> None:
     import base64
 
     import openai
@@ -129,7 +114,7 @@ def test_openai_images_edit_is_the_diffusers_inpainting(sd_folder: Path, sd_stac
     expected = ref(PROMPT, image=Image.fromarray(pixels), mask_image=Image.fromarray(mask), num_inference_steps=4,
                    guidance_scale=7.5, height=48, width=80, generator=torch.Generator("cpu").manual_seed(9),
                    output_type="np").images
-    with openai.OpenAI(base_url=sd_stack.http_url, api_key="unused", max_retries=0, timeout=120) as api:
+    with openai.OpenAI(base_url=models_stack.http_url, api_key="unused", max_retries=0, timeout=120) as api:
         reply = api.images.edit(image=("image.png", _png(pixels), "image/png"), mask=("mask.png", _png(mask),
                                 "image/png"), prompt=PROMPT, n=1, size="80x48", response_format="b64_json",
                                 extra_body={"seed": 9, "steps": 4, "guidance_scale": 7.5})

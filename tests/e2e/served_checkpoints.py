@@ -1,0 +1,40 @@
+"""The checkpoints that the session's `models_stack` fixture serves (tests/e2e/conftest.py): a tiny random
+DeepSeek-V3 as the text model (issue 31's new family end to end, tests/e2e/test_e2e_architectures.py) and a tiny
+Stable Diffusion folder as the diffusion model, its vae/ as the vae app's (tests/e2e/test_e2e_sd.py). One stack
+serves both: they are different apps."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services" / "text"))
+from test_text_architectures import COMMON, _configs, _randomise  # noqa: E402
+from text_helpers import byte_tokenizer  # noqa: E402
+
+from tests.services.diffusion.tiny_sd import build_tiny_sd  # noqa: E402
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# The text app's engine settings in the serve config (GetModelInfo reports them); float32 keeps transformers' parity.
+# 256 KiB of KV cache: two full contexts of this tiny model.
+TEXT_ARGS = {"dtype": "float32", "kv_cache_bytes": 256 * 2**10, "max_running": 7}
+
+
+def deepseek_checkpoint(folder: Path) -> Any:
+    """A random DeepSeek-V3 (multi-head latent attention, grouped sigmoid routing, shared experts, YaRN) saved to
+    `folder` with a byte tokenizer and a ChatML template; returns the transformers model."""
+    cfg_cls, model_cls, extra = _configs()["deepseek_v3"]
+    hf = model_cls(cfg_cls(**{**COMMON, **extra}, attn_implementation="eager")).eval()
+    _randomise(hf, unit_offset=False)
+    hf.save_pretrained(folder)
+    byte_tokenizer()._tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
+    return hf
+
+
+def sd_pipeline(folder: Path) -> Path:
+    """A tiny Stable Diffusion folder (8 x 8 latents) under `folder`."""
+    return build_tiny_sd(folder / "pipeline", latent=8)
