@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib
 import os
 import signal
 import socket
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -129,14 +131,33 @@ def load_config(args: argparse.Namespace) -> dict[str, Any]:
     return config
 
 
+def args_errors(config: dict[str, Any]) -> dict[str, str]:
+    """App name -> why its builder (`import_path`) refuses its `args`: the validation Serve's build task runs, done
+    here first, since Serve retries a failed build three times, each in a new worker that imports the app again."""
+    errors = {}
+    for app in config["applications"]:
+        module, _, builder = app["import_path"].partition(":")
+        try:
+            getattr(importlib.import_module(module), builder)(app.get("args") or {})
+        except ValueError as exc:  # pydantic's ValidationError is one, naming every field
+            errors[app["name"]] = str(exc)
+    return errors
+
+
 def start(args: argparse.Namespace, config: dict[str, Any]) -> Any:
-    """Start a fresh local Ray (never join another stack's), create the drain board and submit the config; returns
-    the board."""
-    ray_adapter.init_local_ray(
-        metrics_port=args.metrics_port, num_cpus=args.num_cpus, include_dashboard=args.dashboard,
-        dashboard_port=args.dashboard_port, log_to_driver=args.verbose, namespace="genserve",
-        object_store_memory=512 * 2**20,
-    )
+    """Start a fresh local Ray (never join another stack's), create the drain board and submit the config once every
+    app's args are valid; returns the board. The args are checked while Ray starts (importing the apps takes seconds
+    of its own)."""
+    with ThreadPoolExecutor(1) as pool:
+        checked = pool.submit(args_errors, config)
+        ray_adapter.init_local_ray(
+            metrics_port=args.metrics_port, num_cpus=args.num_cpus, include_dashboard=args.dashboard,
+            dashboard_port=args.dashboard_port, log_to_driver=args.verbose, namespace="genserve",
+            object_store_memory=512 * 2**20,
+        )
+        errors = checked.result()
+    if errors:
+        raise RuntimeError("applications failed: " + "; ".join(f"{n}: {m}" for n, m in errors.items()))
     board = drain.create_board()
     ray_adapter.deploy_config(config)
     return board

@@ -1,5 +1,6 @@
-"""A bad engine setting in a serve config's `args` stops the deploy with the field named (services/text/settings.py).
-Good ones reaching the replica: tests/services/text/test_text_settings.py, and end to end on the DeepSeek stack
+"""A bad engine setting in a serve config's `args` stops `make serve` with the field named (services/text/settings.py),
+checked while Ray starts and before anything is deployed (services/serve.py, args_errors). Good ones reaching the
+replica: tests/services/text/test_text_settings.py, and end to end on the DeepSeek stack
 (tests/e2e/test_e2e_architectures.py)."""
 
 from __future__ import annotations
@@ -19,3 +20,4 @@ def test_an_invalid_setting_fails_the_deploy_naming_the_field(serve, base_port: 
     log = (tmp_path / "serve.log").read_text()
     assert "applications failed: text:" in log
     assert "dtype" in log and "max_running" in log
+    assert "Deploying app" not in log  # Serve never saw the config

@@ -84,8 +84,8 @@ def test_errors_keep_their_code_and_field_through_the_front(tls_stack, pki: Pki)
 
 
 def test_plaintext_and_other_ca_clients_fail_on_grpc(tls_stack, pki: Pki) -> None:
-    for tls in (None, _tls(pki, ca=pki.other_ca)):
-        with Client(tls_stack.address, timeout=30, tls=tls) as client, pytest.raises(Unavailable):
+    for tls in (None, _tls(pki, ca=pki.other_ca)):  # no retries: a handshake that fails once fails every time
+        with Client(tls_stack.address, timeout=30, tls=tls, retry=None) as client, pytest.raises(Unavailable):
             client.model_info()
 
 
@@ -131,5 +131,5 @@ def test_mutual_tls_serves_only_clients_with_a_certificate_from_the_ca(mtls_addr
     with Client(mtls_address, timeout=60, tls=_tls(pki, client=pki.client)) as client:
         assert client.model_info().model_name
     for tls in (_tls(pki), _tls(pki, client=pki.other_client)):
-        with Client(mtls_address, timeout=30, tls=tls) as client, pytest.raises(Unavailable):
+        with Client(mtls_address, timeout=30, tls=tls, retry=None) as client, pytest.raises(Unavailable):
             client.model_info()

