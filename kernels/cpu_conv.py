@@ -4,8 +4,9 @@ dispatch rule that keeps a batch's images independent of each other (batch invar
 ``F.conv2d`` hands oneDNN the plain (O, I, kH, kW) weight, which it reorders into its blocked layout on every call.
 On the outputs of a diffusion U-Net at latent size (2 x 8 x 8 and 2 x 4 x 4 pixels, 64-256 channels) that reorder
 costs as much as a fifth to a third of the convolution, and 1x1 convolutions fall back to a slower non-oneDNN path
-altogether. ``conv2d`` reorders once per weight version (``torch.ops.mkldnn._reorder_convolution_weight``, the op
-torch's own inductor uses for frozen CPU graphs) and runs the same oneDNN primitive on the prepared weight.
+altogether. ``conv2d`` reorders once per weight version and input shape
+(``torch.ops.mkldnn._reorder_convolution_weight``, the op torch's own inductor uses for frozen CPU graphs) and runs
+the same oneDNN primitive on the prepared weight.
 
 Batch invariance: ``F.conv2d`` picks its algorithm from the batch size (im2col + GEMM for one image, a non-oneDNN
 path for 1x1 kernels under 16 images on one thread, oneDNN otherwise), and the three round differently, so an
