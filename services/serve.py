@@ -131,6 +131,11 @@ def load_config(args: argparse.Namespace) -> dict[str, Any]:
     return config
 
 
+def applications_failed(messages: dict[str, str]) -> RuntimeError:
+    """The error `run` prints for apps that failed (name -> why), before or during the deploy."""
+    return RuntimeError("applications failed: " + "; ".join(f"{n}: {m}" for n, m in messages.items()))
+
+
 def args_errors(config: dict[str, Any]) -> dict[str, str]:
     """App name -> why its builder (`import_path`) refuses its `args`: the validation Serve's build task runs, done
     here first, since Serve retries a failed build three times, each in a new worker that imports the app again."""
@@ -157,7 +162,7 @@ def start(args: argparse.Namespace, config: dict[str, Any]) -> Any:
         )
         errors = checked.result()
     if errors:
-        raise RuntimeError("applications failed: " + "; ".join(f"{n}: {m}" for n, m in errors.items()))
+        raise applications_failed(errors)
     board = drain.create_board()
     ray_adapter.deploy_config(config)
     return board
@@ -176,7 +181,7 @@ def wait_ready(names: list[str], timeout: float) -> None:
         statuses = {name: label(apps[name].status) if name in apps else "NOT_STARTED" for name in names}
         failed = {n: apps[n].message for n in names if statuses[n] in ("DEPLOY_FAILED", "UNHEALTHY")}
         if failed:
-            raise RuntimeError("applications failed: " + "; ".join(f"{n}: {m}" for n, m in failed.items()))
+            raise applications_failed(failed)
         if all(s == "RUNNING" for s in statuses.values()):
             return
         time.sleep(0.5)

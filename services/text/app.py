@@ -334,8 +334,7 @@ class TextGeneration:
 
 
 def build(args: dict[str, Any] | None = None) -> Application:
-    settings = TextArgs.model_validate(args or {})
-    if settings.lora is None:
-        return build_app("text", TextGeneration, args, TextArgs)
+    lora = TextArgs.model_validate(args or {}).lora
     # The record of adapter names starts with the serve config's adapters, as every replica loads them at start.
-    return build_app("text", TextGeneration, args, TextArgs, AdapterNames.bind(settings.lora.folders()))
+    bound = () if lora is None else (AdapterNames.bind(lora.folders()),)
+    return build_app("text", TextGeneration, args, TextArgs, *bound)

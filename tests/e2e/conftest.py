@@ -262,9 +262,9 @@ def deepseek(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
 @pytest.fixture(scope="session")
 def sd_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """models_stack's Stable Diffusion folder (the diffusion app; its vae/ is the vae app)."""
-    from tests.e2e.served_checkpoints import sd_pipeline  # diffusers: only for the modules that use it
+    from tests.services.diffusion.tiny_sd import build_tiny_sd  # diffusers: only for the modules that use it
 
-    return sd_pipeline(tmp_path_factory.mktemp("sd"))
+    return build_tiny_sd(tmp_path_factory.mktemp("sd") / "pipeline", latent=8)
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
-"""The checkpoints that the session's `models_stack` fixture serves (tests/e2e/conftest.py): a tiny random
-DeepSeek-V3 as the text model (issue 31's new family end to end, tests/e2e/test_e2e_architectures.py) and a tiny
-Stable Diffusion folder as the diffusion model, its vae/ as the vae app's (tests/e2e/test_e2e_sd.py). One stack
-serves both: they are different apps."""
+"""The text checkpoint that the session's `models_stack` fixture serves (tests/e2e/conftest.py): a tiny random
+DeepSeek-V3 (issue 31's new family end to end, tests/e2e/test_e2e_architectures.py), with the serve-config args of
+its text app. The same stack serves tests/services/diffusion/tiny_sd.py's Stable Diffusion folder as its diffusion
+model (tests/e2e/test_e2e_sd.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services" / "text"))
 from test_text_architectures import COMMON, _configs, _randomise  # noqa: E402
 from text_helpers import byte_tokenizer  # noqa: E402
-
-from tests.services.diffusion.tiny_sd import build_tiny_sd  # noqa: E402
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -33,8 +31,3 @@ def deepseek_checkpoint(folder: Path) -> Any:
     byte_tokenizer()._tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
     return hf
-
-
-def sd_pipeline(folder: Path) -> Path:
-    """A tiny Stable Diffusion folder (8 x 8 latents) under `folder`."""
-    return build_tiny_sd(folder / "pipeline", latent=8)
