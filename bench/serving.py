@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -336,12 +337,17 @@ def tool_rows(model_path: str | None, rounds: int) -> str:
     plain = text_pb2.TextRequest(messages=messages, temperature=0, max_tokens=48)
     called = text_pb2.TextRequest(messages=messages, temperature=0, max_tokens=48, tools=[tool],
                                   tool_choice="required")
-    times: dict[str, list[float]] = {"without tools": [], "tool_choice required": []}
+    engine = app.engine.engine
+    jump_forward = engine.config.max_jump_forward
+    cases = (("without tools", plain, jump_forward), ("tool_choice required", called, jump_forward),
+             ("tool_choice required, jump-forward off", called, 0))
+    times: dict[str, list[float]] = {name: [] for name, _, _ in cases}
     counts: dict[str, int] = {}
 
     async def run() -> None:
-        for _ in range(rounds + 1):  # the first round warms both paths up and is dropped
-            for name, request in (("without tools", plain), ("tool_choice required", called)):
+        for _ in range(rounds + 1):  # the first round warms every path up and is dropped
+            for name, request, max_jump_forward in cases:
+                engine.config = dataclasses.replace(engine.config, max_jump_forward=max_jump_forward)
                 ms, counts[name] = await _decode_ms_per_token(app, request)
                 times[name].append(ms)
 

@@ -91,6 +91,8 @@ class TextArgs(AppArgs):
     stall_seconds: float = Field(DEFAULT_STALL_S, gt=0, le=3600)
     # Exact speculative decoding (engine/speculative.py); absent: off.
     speculative: SpeculativeArgs | None = None
+    # Tokens of a grammar's forced text drafted per step (jump-forward, engine/speculative.py); 0: off.
+    max_jump_forward: int = Field(EngineConfig.max_jump_forward, ge=0, le=64)
     # LoRA adapters (docs/deploy.md); absent: none may be loaded, and the model runs without the LoRA hooks.
     lora: LoraArgs | None = None
 
@@ -106,5 +108,6 @@ class TextArgs(AppArgs):
             max_batched_tokens=self.max_batched_tokens, max_running=self.max_running,
             max_lookahead=self.max_lookahead, cuda_graphs=self.cuda_graphs, prefix_caching=self.prefix_caching,
             speculative=self.speculative.config() if self.speculative is not None else None,
+            max_jump_forward=self.max_jump_forward,
             lora=self.lora.config() if self.lora is not None else None,
         )

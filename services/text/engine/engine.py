@@ -65,6 +65,9 @@ class EngineConfig:
     hybrid_kv_cache: bool = True
     # Exact speculative decoding with n-gram drafts (engine/speculative.py); None: off.
     speculative: SpeculativeConfig | None = None
+    # Jump-forward for grammar-constrained requests: up to this many tokens of the text the grammar forces next are
+    # drafted and verified like speculative drafts (LLMEngine._propose); 0: off.
+    max_jump_forward: int = 8
     # LoRA adapters (engine/adapters.py); None: none may be loaded, and the model runs without the LoRA hooks.
     lora: LoraConfig | None = None
 
@@ -72,7 +75,7 @@ class EngineConfig:
         for name in ("block_size", "max_batched_tokens", "max_running", "max_waiting", "max_lookahead"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("kv_cache_bytes", "num_blocks", "max_context"):
+        for name in ("kv_cache_bytes", "num_blocks", "max_context", "max_jump_forward"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.kv_cache_fraction < 1:
@@ -147,6 +150,7 @@ class LLMEngine:
         k = config.speculative.num_tokens if config.speculative is not None else 0
         self.spec_proposed = [0] * k  # drafts scored at each draft position since start-up
         self.spec_accepted = [0] * k  # ... and accepted
+        self.forced_proposed = self.forced_accepted = 0  # jump-forward drafts scored and accepted
 
     # ---- LoRA adapters --------------------------------------------------------------------------------------
     def load_adapter(self, name: str, path: str) -> None:
@@ -293,6 +297,7 @@ class LLMEngine:
             "prefix_caching": self.blocks.caching,
             "prefix_cache_hit_tokens": self.scheduler.hit_tokens,
             "speculative": self.config.speculative.method if self.config.speculative is not None else "off",
+            "max_jump_forward": self.config.max_jump_forward,
             "lora_adapters": self.adapters(),
         }
 
@@ -302,7 +307,8 @@ class LLMEngine:
         proposed, accepted = sum(self.spec_proposed), sum(self.spec_accepted)
         return {"proposed": proposed, "accepted": accepted,
                 "acceptance_rate": accepted / proposed if proposed else 0.0,
-                "proposed_by_position": list(self.spec_proposed), "accepted_by_position": list(self.spec_accepted)}
+                "proposed_by_position": list(self.spec_proposed), "accepted_by_position": list(self.spec_accepted),
+                "forced_proposed": self.forced_proposed, "forced_accepted": self.forced_accepted}
 
     def counters(self) -> EngineCounters:
         """The engine's running totals since start-up."""
@@ -319,7 +325,7 @@ class LLMEngine:
             for seq in overflowed:
                 self._finish(seq, "context_length")
             if chunks:
-                if self.config.speculative is not None:
+                if self.config.speculative is not None or self.config.max_jump_forward:
                     chunks = self._propose(chunks)
                 speculating = any(c.draft for c in chunks)
                 steps = 1 if speculating else self._lookahead(chunks)
@@ -350,32 +356,39 @@ class LLMEngine:
         return int(batch.input_ids.numel())
 
     def _propose(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
-        """Give each sampled one-token chunk an n-gram draft (Saxena 2023) of up to ``num_tokens`` tokens, with the
-        blocks for its slots reserved now. None when more than ``max_batch`` sequences decode this step; none for a
-        grammar-constrained request (module docstring of engine/speculative.py); a draft never reaches past
-        ``max_tokens`` or the context, nor the step's token budget, and is dropped when the free blocks run short;
-        a sequence whose drafts keep being rejected backs off (``_verify_step``)."""
+        """Give each sampled one-token chunk a draft, with the blocks for its slots reserved now:
+        * a grammar-constrained request, the tokens its grammar forces next (jump-forward; up to
+          ``max_jump_forward``), which the model nearly always accepts: a tool call's keys and punctuation cost no
+          steps of their own;
+        * otherwise, with speculation on, an n-gram draft (Saxena 2023) of up to ``num_tokens`` tokens, cut to the
+          prefix the request's grammar allows; none when more than ``max_batch`` sequences decode this step, and
+          none while the sequence backs off after rejected drafts (``_verify_step``).
+        A draft never reaches past ``max_tokens`` or the context, nor the step's token budget, and is dropped when
+        the free blocks run short."""
         spec = self.config.speculative
-        assert spec is not None
-        if sum(1 for c in chunks if c.sample and c.length == 1) > spec.max_batch:
-            return chunks
+        ngram = spec is not None and sum(1 for c in chunks if c.sample and c.length == 1) <= spec.max_batch
         budget = self.config.max_batched_tokens - sum(c.length for c in chunks)
         out = []
         for c in chunks:
             seq = c.seq
-            k = min(spec.num_tokens, budget, seq.params.max_tokens - len(seq.output_ids) - 1,
-                    self.max_context - seq.num_tokens - 1)
-            if c.length != 1 or not c.sample or seq.grammar is not None or k <= 0 or seq.spec_skip > 0:
-                seq.spec_skip = max(0, seq.spec_skip - 1) if c.sample else seq.spec_skip
+            if c.length != 1 or not c.sample:
                 out.append(c)
                 continue
-            draft = propose_ngram(seq.tokens, k, spec.ngram_min, spec.ngram_max)
+            room = min(budget, seq.params.max_tokens - len(seq.output_ids) - 1, self.max_context - seq.num_tokens - 1)
+            draft = seq.grammar.forced_tokens(min(room, self.config.max_jump_forward)) if seq.grammar else []
+            forced = bool(draft)
+            if not forced and ngram and seq.spec_skip == 0 and room > 0:
+                draft = propose_ngram(seq.tokens, min(spec.num_tokens, room), spec.ngram_min, spec.ngram_max)
+                if seq.grammar is not None:
+                    draft = seq.grammar.allowed_prefix(draft)
+            elif not forced:
+                seq.spec_skip = max(0, seq.spec_skip - 1)
             if not draft or not self.blocks.can_grow(seq.request_id, seq.num_tokens + len(draft)):
                 out.append(c)
                 continue
             self.blocks.grow(seq.request_id, seq.num_tokens + len(draft))
             budget -= len(draft)
-            out.append(ScheduledChunk(seq, c.start, 1, tuple(draft)))
+            out.append(ScheduledChunk(seq, c.start, 1, tuple(draft), forced))
         return out
 
     def _verify_step(self, batch: PagedBatch, chunks: list[ScheduledChunk], lora: torch.Tensor | None) -> int:
@@ -414,13 +427,17 @@ class LLMEngine:
                         deltas.append((seq, self._advance(seq, *sampled[i])))
                     continue
                 verdict = verdicts[i]
-                # Back off where drafts keep failing (open-ended text): after n passes in a row that accepted
-                # nothing, the next min(2^n, MAX_BACKOFF) steps run without a draft.
-                seq.spec_misses = 0 if verdict.accepted else seq.spec_misses + 1
-                seq.spec_skip = min(1 << seq.spec_misses, MAX_BACKOFF) if seq.spec_misses else 0
-                for j in range(len(c.draft)):
-                    self.spec_proposed[j] += 1
-                    self.spec_accepted[j] += j < verdict.accepted
+                if c.forced:
+                    self.forced_proposed += len(c.draft)
+                    self.forced_accepted += verdict.accepted
+                else:
+                    # Back off where drafts keep failing (open-ended text): after n passes in a row that accepted
+                    # nothing, the next min(2^n, MAX_BACKOFF) steps run without a draft.
+                    seq.spec_misses = 0 if verdict.accepted else seq.spec_misses + 1
+                    seq.spec_skip = min(1 << seq.spec_misses, MAX_BACKOFF) if seq.spec_misses else 0
+                    for j in range(len(c.draft)):
+                        self.spec_proposed[j] += 1
+                        self.spec_accepted[j] += j < verdict.accepted
                 # K/V stays valid for the newest token and the accepted drafts; the rejected slots' blocks go back.
                 seq.num_computed = c.start + 1 + verdict.accepted
                 self.blocks.truncate(seq.request_id, seq.num_computed)

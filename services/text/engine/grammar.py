@@ -78,6 +78,37 @@ class Grammar:
         """Advance by ``token``; False when the grammar does not allow it (the state is then unchanged)."""
         return self._matcher.accept_token(token)
 
+    def forced_tokens(self, limit: int) -> list[int]:
+        """Up to ``limit`` tokens that spell the text the grammar forces next (jump-forward decoding, SGLang,
+        Zheng et al. 2024): the longest vocabulary tokens matching it, not the one the model would write last when a
+        longer token could extend it; [] where the next character is the model's choice. The state is unchanged."""
+        return self._matcher.find_jump_forward_tokens()[:limit] if limit > 0 else []
+
+    def allowed_prefix(self, drafts: list[int]) -> list[int]:
+        """The longest prefix of ``drafts`` the grammar accepts from here, token by token; the state is unchanged."""
+        n = 0
+        while n < len(drafts) and self._matcher.accept_token(drafts[n]):
+            n += 1
+        if n:
+            self._matcher.rollback(n)
+        return drafts[:n]
+
+    def fill_along(self, drafts: list[int], bitmask: torch.Tensor) -> None:
+        """Rows 0..k of ``bitmask`` (k = len(drafts)): the tokens allowed after the newest token and after each
+        draft in turn (the masks a verify pass needs, engine/speculative.py). ``drafts`` must be allowed (as
+        ``allowed_prefix`` returns them); the state is unchanged."""
+        accepted = 0
+        try:
+            for j, token in enumerate(drafts):
+                self._matcher.fill_next_token_bitmask(bitmask, j)
+                if not self._matcher.accept_token(token):
+                    raise ValueError(f"draft {j} ({token}) is not allowed by the grammar")
+                accepted += 1
+            self._matcher.fill_next_token_bitmask(bitmask, len(drafts))
+        finally:
+            if accepted:
+                self._matcher.rollback(accepted)
+
     @property
     def done(self) -> bool:
         """The output is complete: a stop token was accepted, or only a stop token may follow."""

@@ -120,6 +120,8 @@ class TokenMask(Protocol):
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None: ...
 
+    def fill_along(self, drafts: list[int], bitmask: torch.Tensor) -> None: ...
+
 
 class SampleRow(Protocol):
     """What sampling one row needs from its request (an engine ``Sequence`` is one): options, generator, the

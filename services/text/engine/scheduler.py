@@ -34,6 +34,7 @@ class ScheduledChunk:
     start: int
     length: int
     draft: tuple[int, ...] = ()
+    forced: bool = False  # the draft is the text the request's grammar forces (jump-forward), not a guess
 
     @property
     def sample(self) -> bool:

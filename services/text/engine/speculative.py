@@ -1,4 +1,4 @@
-"""Exact speculative decoding with n-gram (prompt lookup) drafts.
+"""Exact speculative decoding with n-gram (prompt lookup) drafts, and jump-forward drafts for grammars.
 
 A proposer drafts up to k tokens for a running sequence; the engine scores the sequence's newest token and the k
 drafts in one forward pass as k + 1 decode rows sharing the sequence's block table, row j with context length
@@ -8,27 +8,31 @@ and keeps the longest prefix the target model accepts plus one token of its own.
 tokens reads the weights once, like one decode step, so every accepted draft is nearly free where decoding is
 bound by the weight stream.
 
-* Proposer (Saxena 2023, "Prompt Lookup Decoding"; vLLM's ``ngram`` proposer, llama.cpp's ``lookup``): find the
-  latest earlier occurrence of the sequence's last n tokens (n from ``ngram_max`` down to ``ngram_min``) in the
-  prompt and the output so far, and propose the tokens that followed it. No extra weights.
+* Proposers (LLMEngine._propose):
+  - n-gram (Saxena 2023, "Prompt Lookup Decoding"; vLLM's ``ngram`` proposer, llama.cpp's ``lookup``): find the
+    latest earlier occurrence of the sequence's last n tokens (n from ``ngram_max`` down to ``ngram_min``) in the
+    prompt and the output so far, and propose the tokens that followed it. No extra weights.
+  - jump-forward (SGLang, Zheng et al. 2024, "SGLang: Efficient Execution of Structured Language Model
+    Programs"): for a grammar-constrained request, the tokens spelling the text its grammar forces next (a JSON
+    key, the punctuation between values); engine/grammar.py ``Grammar.forced_tokens``. Unlike SGLang, the forced
+    tokens are verified like any draft, so a tokenisation the model would not choose costs a rejected slot,
+    never a different output.
 * Acceptance (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding", Algorithm 1;
   Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative Sampling", Algorithm 2): accept a
   draft x with probability min(1, p(x) / q(x)); at the first rejection, emit a token drawn from
-  norm(max(0, p - q)); when all k drafts are accepted, emit a bonus token drawn from p at position k + 1. An n-gram
-  draft is a point mass, q = δ_x, so x is accepted with probability p(x) and the residual is p with x removed,
-  renormalised: the emitted token at each position then has exactly the distribution p, since
-  P(x) = p(x)·[x = d] + (1 - p(d))·p(x)[x ≠ d] / (1 - p(d)) = p(x).
-* p is the target distribution after every sampling option the request asks for (sampler.py's order: penalties,
-  temperature, top-k, top-p, min-p), computed at draft position j as if drafts 0..j-1 had been emitted (the
-  penalties count them); greedy requests accept while the draft equals the argmax, which makes their output
-  token-identical to decoding without speculation.
+  norm(max(0, p - q)); when all k drafts are accepted, emit a bonus token drawn from p at position k + 1. Both
+  proposers' drafts are point masses, q = δ_x, so x is accepted with probability p(x) and the residual is p with x
+  removed, renormalised: the emitted token at each position then has exactly the distribution p, since
+  P(x) = p(x)·[x = d] + (1 - p(d))·p(x)[x ≠ d] / (1 - p(d)) = p(x). ``kept_draws`` realises this rule by drawing
+  each position's token from p and keeping the draft when the draw equals it, one uniform per emitted token.
+* p is the target distribution after every sampling option the request asks for (sampler.py's order: the grammar
+  mask, penalties, temperature, top-k, top-p, min-p), computed at draft position j as if drafts 0..j-1 had been
+  emitted (the grammar matcher is advanced through them and rolled back, the penalties count them); greedy
+  requests accept while the draft equals the argmax.
 
-Grammar-constrained requests are not speculated: their next-token mask at draft position j would need the grammar
-matcher advanced through drafts 0..j-1 and rolled back on rejection, which this first version does not do; they
-decode one token per step as before. A seeded request draws its uniforms from its own generator only, so its
-output does not depend on the rest of the batch; it differs from the same seed without speculation (the draw
-consumes the generator differently), and a sequence may switch between speculating and not when the batch crosses
-``max_batch``.
+So the output does not depend on drafting: a greedy request's tokens are those of decoding without drafts, and a
+seeded request's too (its i-th token uses the i-th uniform of its own generator, drafted or not), whatever the
+batch, the drafts or the step budget were, up to the float rounding of a batch of k + 1 rows against one.
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ from typing import Literal
 
 import torch
 
+from genserve.services.text.engine.grammar import apply_bitmask, bitmask_words
 from genserve.services.text.engine.params import TokenLogprob
-from genserve.services.text.engine.sampler import SampleRow, filter_logits_batch, penalize_batch
+from genserve.services.text.engine.sampler import SampleRow, draw_batch, filter_logits_batch, penalize_batch
 
 # A sequence whose drafts were all rejected n verify passes in a row skips speculation for min(2^n, this) steps.
 MAX_BACKOFF = 16
@@ -89,37 +94,45 @@ def propose_ngram(tokens: list[int], k: int, ngram_min: int, ngram_max: int) -> 
     return []
 
 
-def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw from unnormalised non-negative rows: row r takes the first token whose cumulative mass
-    exceeds ``uniforms[r]`` of the row's total. probs (R, V) float64, uniforms (R,) in [0, 1) -> ids (R,)."""
-    cdf = probs.cumsum(-1)
-    target = uniforms.to(cdf)[:, None] * cdf[:, -1:]
-    idx = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1)  # (R, 1)
-    # Rounding can land on a zero-mass slot at the top of the CDF: step back to the last token with mass.
-    positive = torch.where(probs > 0, torch.arange(probs.shape[-1], device=probs.device), -1)
-    return positive.cummax(-1).values.gather(1, idx)[:, 0]
+def kept_draws(draws: list[int], drafts: list[int]) -> list[int]:
+    """The verify rule on one draw per position: the draws up to and including the first that differs from its
+    draft (all k + 1 when every draft matches: the last is the bonus token).
+
+    This is the rule of Leviathan et al. 2023 / Chen et al. 2023 for a point-mass draft q = δ_d: the draft is kept
+    with probability p(d) = min(1, p(d)/q(d)), and a rejected position emits a draw from p conditioned on x != d,
+    which is norm(max(0, p - q)); so every emitted token is distributed as p."""
+    n = next((j for j, d in enumerate(drafts) if draws[j] != d), len(drafts))
+    return draws[:n + 1]
 
 
-def accept_point_mass(probs: torch.Tensor, drafts: torch.Tensor, u_accept: torch.Tensor,
-                      u_residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The acceptance rule of Leviathan et al. 2023 / Chen et al. 2023 for a draft distribution q = δ_draft, row by
-    row: accept the draft when u < min(1, p(d)/q(d)) = p(d); otherwise the token is drawn from
-    norm(max(0, p - q)) = p with the draft's mass removed. probs (R, V) target probabilities (float64), drafts (R,),
-    two uniforms per row -> (accepted (R,) bool, token (R,): the draft where accepted, the residual draw elsewhere)."""
-    p_draft = probs.gather(1, drafts[:, None])[:, 0]
-    accepted = u_accept.to(p_draft) < p_draft
-    residual = probs.scatter(1, drafts[:, None], 0.0)  # max(0, p - δ_d)
-    corrected = sample_from(residual, u_residual)
-    return accepted, torch.where(accepted, drafts, corrected)
+def draw_along(filtered: torch.Tensor, drafts: list[int], generator: torch.Generator | None) -> list[int]:
+    """The sampled verify pass: a draw at every position of ``filtered`` (k+1, V) logits as ``sample_batch`` draws
+    a token (one float64 uniform from ``generator``, ``draw_batch``), cut by ``kept_draws``. The generator moves on
+    by one uniform per emitted token only, so the i-th token of a seeded request uses the i-th uniform of its
+    generator whether it was drafted or not, and its output is the same as without drafts."""
+    gen = generator if generator is not None else torch.default_generator
+    state = gen.get_state()
+    # n uniforms at once are the next n single draws (CPU generator), so the unused ones can be given back.
+    u = torch.rand((filtered.shape[0],), generator=gen, dtype=torch.float64)
+    tokens = kept_draws(draw_batch(filtered, u.to(filtered.device)).tolist(), drafts)
+    gen.set_state(state)
+    torch.rand((len(tokens),), generator=gen, dtype=torch.float64)
+    return tokens
 
 
 def target_logits(raw: torch.Tensor, row: SampleRow, drafts: list[int]) -> torch.Tensor:
-    """The logits sampling sees at each of the k + 1 positions (k = len(drafts)), penalties applied as if drafts
-    0..j-1 were already emitted at position j. raw (k+1, V) float -> (k+1, V)."""
+    """The logits sampling sees at each of the k + 1 positions (k = len(drafts)), as if drafts 0..j-1 were already
+    emitted at position j: the grammar's mask after them, and the penalties counting them. raw (k+1, V) float ->
+    (k+1, V)."""
+    x = raw
+    if row.grammar is not None:
+        bitmask = torch.empty((raw.shape[0], bitmask_words(raw.shape[-1])), dtype=torch.int32)
+        row.grammar.fill_along(drafts, bitmask)
+        x = apply_bitmask(x, bitmask)
     if not row.params.has_penalties:
-        return raw
+        return x
     positions = range(raw.shape[0])
-    return penalize_batch(raw, [row.params for _ in positions], [row.prompt_ids for _ in positions],
+    return penalize_batch(x, [row.params for _ in positions], [row.prompt_ids for _ in positions],
                           [row.output_ids + drafts[:j] for j in positions])
 
 
@@ -136,8 +149,7 @@ class Verdict:
 def verify(raw: torch.Tensor, row: SampleRow, drafts: list[int]) -> Verdict:
     """Verify ``drafts`` against the target model's logits ``raw`` (k+1, V) (row j: the next-token logits after the
     sequence's newest token and drafts 0..j-1). Greedy: accept while each draft is the argmax, then emit the argmax.
-    Sampled: ``accept_point_mass`` with 2k + 1 uniforms from the request's own generator (k to accept, k + 1 to
-    draw the corrected or bonus token), so a seeded request ignores the rest of the batch."""
+    Sampled: ``draw_along``, one uniform per emitted token from the request's own generator."""
     k = len(drafts)
     x = target_logits(raw.float(), row, drafts)
     params = row.params
@@ -146,17 +158,8 @@ def verify(raw: torch.Tensor, row: SampleRow, drafts: list[int]) -> Verdict:
         accepted = next((j for j in range(k) if drafts[j] != best[j]), k)
         tokens = drafts[:accepted] + [best[accepted]]
     else:
-        u = torch.rand((2 * k + 1,), generator=row.generator, dtype=torch.float64)
-        probs = filter_logits_batch(x, [params] * (k + 1)).softmax(-1, dtype=torch.float64)  # (k+1, V)
-        draft_ids = torch.tensor(drafts, dtype=torch.long, device=probs.device)
-        ok, picked = accept_point_mass(probs[:k], draft_ids, u[:k], u[k:2 * k])
-        ok_list = ok.tolist()
-        accepted = next((j for j in range(k) if not ok_list[j]), k)
-        if accepted < k:
-            last = int(picked[accepted])
-        else:
-            last = int(sample_from(probs[k:], u[2 * k:])[0])
-        tokens = drafts[:accepted] + [last]
+        tokens = draw_along(filter_logits_batch(x, [params] * (k + 1)), drafts, row.generator)
+        accepted = len(tokens) - 1
     logprobs = None
     if params.logprobs:
         logp = raw[: len(tokens)].float().log_softmax(-1)  # the model's own distribution, as sampler.py reports

@@ -4,18 +4,22 @@ decoding without speculation through the engine, alone, in mixed batches, under 
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 from text_helpers import VOCAB, byte_tokenizer, hf_model, save_hf
 
 from genserve.services.text.engine.engine import EngineConfig, LLMEngine
+from genserve.services.text.engine.grammar import apply_bitmask, bitmask_words
 from genserve.services.text.engine.params import SamplingParams
-from genserve.services.text.engine.sampler import apply_penalties, filter_logits_batch
+from genserve.services.text.engine.sampler import apply_penalties, draw_batch, filter_logits_batch
 from genserve.services.text.engine.speculative import (
     SpeculativeConfig,
-    accept_point_mass,
+    draw_along,
+    kept_draws,
     propose_ngram,
-    sample_from,
     target_logits,
 )
 from genserve.services.text.loader import load_model
@@ -69,25 +73,26 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
 
 
-def target_probs(setting: SamplingParams, vocab: int = 12) -> torch.Tensor:
+def target_logits_for(setting: SamplingParams, vocab: int = 12) -> torch.Tensor:
+    """One row of random logits after ``setting``'s filters (-inf outside top-k/top-p/min-p): (1, V)."""
     gen = torch.Generator().manual_seed(vocab)
-    logits = 1.5 * torch.randn((1, vocab), generator=gen)
-    return filter_logits_batch(logits, [setting]).softmax(-1, dtype=torch.float64)[0]
+    return filter_logits_batch(1.5 * torch.randn((1, vocab), generator=gen), [setting])
 
 
-def emitted_counts(probs: torch.Tensor, drafts: torch.Tensor, rule, seed: int) -> torch.Tensor:
-    """The first emitted token of ``DRAWS`` verify passes of one draft each (all rows with target ``probs``)."""
+def emitted_counts(filtered: torch.Tensor, drafts: torch.Tensor, rule, seed: int) -> torch.Tensor:
+    """The first emitted token of ``DRAWS`` verify passes of one draft each (target ``filtered``), a draw per
+    position from ``draw_batch`` as the engine draws, cut by ``rule``."""
     gen = torch.Generator().manual_seed(seed)
-    rows = probs.expand(DRAWS, -1)
-    _, tokens = rule(rows, drafts, torch.rand(DRAWS, generator=gen, dtype=torch.float64),
-                     torch.rand(DRAWS, generator=gen, dtype=torch.float64))
-    return torch.bincount(tokens, minlength=probs.numel()).double()
+    draws = draw_batch(filtered.expand(2 * DRAWS, -1), torch.rand(2 * DRAWS, generator=gen, dtype=torch.float64))
+    draws = draws.view(DRAWS, 2).tolist()
+    first = [rule(d, [int(x)])[0] for d, x in zip(draws, drafts, strict=True)]
+    return torch.bincount(torch.tensor(first), minlength=filtered.shape[-1]).double()
 
 
-def resample_from_p(probs, drafts, u_accept, u_residual):
-    """A plausible-looking wrong rule: on rejection draw again from p instead of norm(max(0, p - q))."""
-    accepted = u_accept < probs.gather(1, drafts[:, None])[:, 0]
-    return accepted, torch.where(accepted, drafts, sample_from(probs, u_residual))
+def redraw_on_mismatch(draws, drafts):
+    """A plausible-looking wrong rule: on a rejected draft, emit the next position's fresh draw instead of the
+    draw that rejected it (which favours the draft: P(d) = p(d) + (1 - p(d)) p(d))."""
+    return draws[:2] if draws[0] == drafts[0] else draws[1:2]
 
 
 SETTINGS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.8),
@@ -96,16 +101,27 @@ SETTINGS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=["plain", "top_p", "top_k_min_p"])
 def test_accepted_and_corrected_tokens_follow_the_target_distribution(setting):
-    probs = target_probs(setting)
+    filtered = target_logits_for(setting)
+    probs = filtered[0].softmax(-1, dtype=torch.float64)
     gen = torch.Generator().manual_seed(7)
     # Drafts from a proposer that knows nothing of p: uniform over the vocabulary, zero-mass tokens included; and
     # always the target's most likely token, where acceptance is most frequent.
     drafts = {"uniform": torch.randint(0, probs.numel(), (DRAWS,), generator=gen),
               "argmax": torch.full((DRAWS,), int(probs.argmax()))}
     for i, d in enumerate(drafts.values()):
-        assert chi_square_p(emitted_counts(probs, d, accept_point_mass, seed=i), probs) > 1e-3
-    wrong = emitted_counts(probs, drafts["argmax"], resample_from_p, seed=0)
+        assert chi_square_p(emitted_counts(filtered, d, kept_draws, seed=i), probs) > 1e-3
+    wrong = emitted_counts(filtered, drafts["argmax"], redraw_on_mismatch, seed=0)
     assert chi_square_p(wrong, probs) < 1e-3
+
+
+def test_a_seeded_request_draws_the_same_tokens_with_and_without_drafts():
+    filtered = target_logits_for(SamplingParams(temperature=1.0), vocab=6).expand(5, -1)
+    plain = torch.Generator().manual_seed(3)
+    one_by_one = [draw_along(filtered[:1], [], plain)[0] for _ in range(40)]
+    drafted, gen = [], torch.Generator().manual_seed(3)
+    while len(drafted) < 40:  # drafts of 4 copies of the next token, often right, sometimes wrong
+        drafted += draw_along(filtered, [one_by_one[len(drafted)]] * 4, gen)
+    assert drafted[:40] == one_by_one
 
 
 def test_penalties_at_each_draft_position_count_the_drafts_before_it():
@@ -133,10 +149,8 @@ def test_greedy_with_speculation_is_token_identical_alone_and_in_mixed_batches(m
     mixed = [greedy, SamplingParams(max_tokens=30, temperature=0, repetition_penalty=1.2, logprobs=2),
              SamplingParams(max_tokens=25, temperature=0.9, seed=5), SamplingParams(max_tokens=7, temperature=0)]
     engine = engine_for(model, SPEC)
-    got = engine.generate_batch(ps, mixed)
-    ref = engine_for(model, None).generate_batch(ps, mixed)
-    assert [got[i] for i in (0, 1, 3)] == [ref[i] for i in (0, 1, 3)]
-    assert len(got[2][1]) == 25 and got[2][2] == "length"
+    # The seeded sampled request too: one uniform per emitted token, drafted or not (speculative.draw_along).
+    assert engine.generate_batch(ps, mixed) == engine_for(model, None).generate_batch(ps, mixed)
     stats = engine.speculation_stats()
     assert 0 < stats["accepted"] < stats["proposed"] == sum(stats["proposed_by_position"])
     assert engine.kv_blocks_free == engine.blocks.num_blocks
@@ -176,6 +190,66 @@ def test_speculation_keeps_logprobs_stop_strings_eos_and_preemption(model):
     tight = engine_for(model, SPEC, num_blocks=24, max_batched_tokens=24)
     assert tight.generate_batch(ps, greedy) == engine_for(model, None).generate_batch(ps, greedy)
     assert tight.counters().preemptions > 0 and tight.kv_blocks_free == 24
+
+
+# ---- grammars: jump-forward drafts and drafts under a mask -----------------------------------------------------
+JSON_SCHEMA = json.dumps({"type": "object", "properties": {
+    "colour": {"enum": ["crimson", "teal"]}, "count": {"type": "integer", "minimum": 0, "maximum": 99},
+    "label": {"type": "string", "pattern": "^[a-z]{1,6}$"}}, "required": ["colour", "count", "label"],
+    "additionalProperties": False})
+REGEX = r"[a-h]{2}-(red|green|blue)-[0-9]{1,3}-done"
+
+
+def test_grammar_requests_draft_their_forced_text_and_decode_as_without_drafts(model):
+    """Jump-forward (the grammar's forced text as drafts) and n-gram drafts cut to the grammar give the tokens of
+    decoding without any draft, greedy and seeded, in a batch with an unconstrained request, and under
+    preemption; the forced drafts are nearly all accepted (a byte vocabulary spells forced text one way only)."""
+    ps = repetitive_prompts()
+    params = [SamplingParams(max_tokens=60, temperature=0, json_schema=JSON_SCHEMA),
+              SamplingParams(max_tokens=60, temperature=0.9, seed=4, json_schema=JSON_SCHEMA),
+              SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, presence_penalty=0.4, seed=5, regex=REGEX),
+              SamplingParams(max_tokens=30, temperature=0)]
+    ref = engine_for(model, None, max_jump_forward=0).generate_batch(ps, params)
+    assert all(reason == "stop" for _, _, reason in ref[:3])
+    assert json.loads(ref[0][0])["colour"] in ("crimson", "teal") and re.fullmatch(REGEX, ref[2][0])
+    for spec in (None, SPEC):
+        engine = engine_for(model, spec)
+        assert engine.generate_batch(ps, params) == ref
+        stats = engine.speculation_stats()
+        assert stats["forced_accepted"] >= 0.9 * stats["forced_proposed"] > 20
+        assert engine.kv_blocks_free == engine.blocks.num_blocks
+    tight = engine_for(model, SPEC, num_blocks=24, max_batched_tokens=24)
+    assert tight.generate_batch(ps, params) == ref
+    assert tight.counters().preemptions > 0 and tight.kv_blocks_free == 24
+
+
+def test_sampled_grammar_requests_with_drafts_follow_the_masked_model(model):
+    """The randomised PIT of every token a grammar request samples with jump-forward and n-gram drafts (as in
+    test_sampled_speculation_through_the_engine_follows_the_model), against the model's distribution after the
+    grammar's mask at that point, penalties, temperature and top-p."""
+    prompt = repetitive_prompts()[0]
+    params = SamplingParams(max_tokens=40, temperature=1.2, top_p=0.95, presence_penalty=0.5, regex=REGEX)
+    n = 64
+    engine = engine_for(model, SpeculativeConfig(num_tokens=3, ngram_min=1, ngram_max=2, max_batch=n),
+                        num_blocks=n * 24, max_running=n)
+    out = [ids for _, ids, _ in engine.generate_batch([prompt] * n, params)]
+    assert engine.speculation_stats()["forced_accepted"] > 100
+    gen = torch.Generator().manual_seed(0)
+    pit = []
+    for o in out:
+        with torch.no_grad():
+            rows = model(torch.tensor([prompt + o]))[0, len(prompt) - 1:-1]  # (len(o), V)
+        mask = torch.empty((len(o), bitmask_words(rows.shape[-1])), dtype=torch.int32)
+        engine.grammars.compile(params).fill_along(o[:-1], mask)
+        x = apply_bitmask(torch.stack([apply_penalties(rows[j], params, prompt, o[:j]) for j in range(len(o))]), mask)
+        probs = filter_logits_batch(x, [params] * len(o)).softmax(-1, dtype=torch.float64)
+        ids = torch.tensor(o)[:, None]
+        mass = probs.gather(1, ids)[:, 0]
+        assert bool((mass > 0).all())
+        pit.append((probs.cumsum(-1) - probs).gather(1, ids)[:, 0] + torch.rand(len(o), generator=gen,
+                                                                                dtype=torch.float64) * mass)
+    counts = torch.histc(torch.cat(pit), bins=10, min=0, max=1).double()
+    assert chi_square_p(counts, torch.full((10,), 0.1, dtype=torch.float64)) > 1e-3
 
 
 class CountingFused:
