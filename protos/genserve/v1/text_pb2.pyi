@@ -177,7 +177,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "architecture", "n_params", "vocab_size", "max_context", "dtype", "kv_blocks_total", "kv_blocks_free", "runner", "device", "kv_cache_bytes", "block_size", "max_batched_tokens", "max_running", "max_lookahead", "prefix_caching", "prefix_cache_hit_tokens", "model_path", "quantization", "tool_format", "reasoning", "adapters", "kv_layer_kinds", "kv_tokens_fit")
+    __slots__ = ("model_name", "architecture", "n_params", "vocab_size", "max_context", "dtype", "kv_blocks_total", "kv_blocks_free", "runner", "device", "kv_cache_bytes", "block_size", "max_batched_tokens", "max_running", "max_lookahead", "prefix_caching", "prefix_cache_hit_tokens", "model_path", "quantization", "tool_format", "reasoning", "adapters", "kv_layer_kinds", "kv_tokens_fit", "speculative", "spec_proposed_tokens", "spec_accepted_tokens", "spec_acceptance_rate", "max_jump_forward", "forced_proposed_tokens", "forced_accepted_tokens")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     N_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +202,13 @@ class ModelInfo(_message.Message):
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     KV_LAYER_KINDS_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_FIT_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_PROPOSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    MAX_JUMP_FORWARD_FIELD_NUMBER: _ClassVar[int]
+    FORCED_PROPOSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     n_params: int
@@ -226,7 +233,14 @@ class ModelInfo(_message.Message):
     adapters: _containers.RepeatedScalarFieldContainer[str]
     kv_layer_kinds: _containers.RepeatedCompositeFieldContainer[KvLayerKind]
     kv_tokens_fit: int
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., n_params: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., runner: _Optional[str] = ..., device: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., max_running: _Optional[int] = ..., max_lookahead: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., model_path: _Optional[str] = ..., quantization: _Optional[str] = ..., tool_format: _Optional[str] = ..., reasoning: _Optional[bool] = ..., adapters: _Optional[_Iterable[str]] = ..., kv_layer_kinds: _Optional[_Iterable[_Union[KvLayerKind, _Mapping]]] = ..., kv_tokens_fit: _Optional[int] = ...) -> None: ...
+    speculative: str
+    spec_proposed_tokens: int
+    spec_accepted_tokens: int
+    spec_acceptance_rate: float
+    max_jump_forward: int
+    forced_proposed_tokens: int
+    forced_accepted_tokens: int
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., n_params: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., runner: _Optional[str] = ..., device: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., max_running: _Optional[int] = ..., max_lookahead: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., model_path: _Optional[str] = ..., quantization: _Optional[str] = ..., tool_format: _Optional[str] = ..., reasoning: _Optional[bool] = ..., adapters: _Optional[_Iterable[str]] = ..., kv_layer_kinds: _Optional[_Iterable[_Union[KvLayerKind, _Mapping]]] = ..., kv_tokens_fit: _Optional[int] = ..., speculative: _Optional[str] = ..., spec_proposed_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_acceptance_rate: _Optional[float] = ..., max_jump_forward: _Optional[int] = ..., forced_proposed_tokens: _Optional[int] = ..., forced_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class KvLayerKind(_message.Message):
     __slots__ = ("kind", "window", "n_layers", "kv_bytes_per_token")

@@ -141,6 +141,7 @@ class AsyncLLMEngine:
 
     def info(self) -> dict:
         cfg = self.engine.model.config
+        spec = self.engine.speculation_stats()
         return {
             "model_name": self.engine.model_name,
             "architecture": cfg.architecture,
@@ -152,6 +153,11 @@ class AsyncLLMEngine:
             "model_path": self.source,
             "quantization": self.quantization,
             **self.engine.settings(),
+            "spec_proposed_tokens": spec["proposed"],
+            "spec_accepted_tokens": spec["accepted"],
+            "spec_acceptance_rate": spec["acceptance_rate"],
+            "forced_proposed_tokens": spec["forced_proposed"],
+            "forced_accepted_tokens": spec["forced_accepted"],
         }
 
     # ---- the worker thread ----------------------------------------------------------------------------------

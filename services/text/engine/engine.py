@@ -363,11 +363,14 @@ class LLMEngine:
         * otherwise, with speculation on, an n-gram draft (Saxena 2023) of up to ``num_tokens`` tokens, cut to the
           prefix the request's grammar allows; none when more than ``max_batch`` sequences decode this step, and
           none while the sequence backs off after rejected drafts (``_verify_step``).
-        A draft never reaches past ``max_tokens`` or the context, nor the step's token budget, and is dropped when
-        the free blocks run short."""
+        A draft never reaches past ``max_tokens`` or the context, nor the step's token budget, nor, in a decode-only
+        step, the rows the runner's fast path takes (``runner.draft_rows``: the CPU's fused step takes 16), and is
+        dropped when the free blocks run short."""
         spec = self.config.speculative
         ngram = spec is not None and sum(1 for c in chunks if c.sample and c.length == 1) <= spec.max_batch
         budget = self.config.max_batched_tokens - sum(c.length for c in chunks)
+        if all(c.length == 1 for c in chunks):  # a decode-only step: keep it on the runner's fast path
+            budget = min(budget, self.runner.draft_rows(len(chunks)))
         out = []
         for c in chunks:
             seq = c.seq

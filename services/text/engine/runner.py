@@ -51,6 +51,12 @@ class ModelRunner(Protocol):
         ``n_tokens`` tokens; 1 when the runner has no multi-step path."""
         ...
 
+    def draft_rows(self, n_decode: int) -> int:
+        """How many speculative draft rows a decode-only step of ``n_decode`` rows may add and stay on the runner's
+        fast path (the CPU runner's fused step takes at most 16 rows); drafts past it would move the whole step to
+        a slower one."""
+        ...
+
     def execute(self, batch: PagedBatch, rows: list[SampleRow], *, lora: torch.Tensor | None = None
                 ) -> list[tuple[int, TokenLogprob | None]]:
         """Run ``batch`` (writing its K/V into the cache) and sample one token per row of ``batch.logits_index``;

@@ -204,6 +204,11 @@ class CpuRunner:
     def max_steps(self, n_tokens: int) -> int:
         return self.max_lookahead if self.fused is not None and n_tokens <= FUSED_MAX_TOKENS else 1
 
+    def draft_rows(self, n_decode: int) -> int:
+        if self.fused is None or n_decode > FUSED_MAX_TOKENS:
+            return 1 << 30  # the step runs forward_paged whatever the drafts
+        return FUSED_MAX_TOKENS - n_decode
+
     def execute(self, batch: PagedBatch, rows: list[SampleRow], *, lora: torch.Tensor | None = None
                 ) -> list[tuple[int, TokenLogprob | None]]:
         return sample_batch(self.execute_logits(batch, lora=lora), rows)

@@ -181,6 +181,10 @@ class CudaRunner:
     def max_steps(self, n_tokens: int) -> int:
         return 1
 
+    def draft_rows(self, n_decode: int) -> int:
+        # A step with drafts runs forward_paged eagerly, not from a CUDA graph, however many rows it adds.
+        return 1 << 30
+
     def execute(self, batch: PagedBatch, rows: list[SampleRow], *, lora: torch.Tensor | None = None
                 ) -> list[tuple[int, TokenLogprob | None]]:
         if lora is None and not batch.prefills and self.graphs is not None and batch.n_decode <= self.graphs.max_batch:

@@ -6,6 +6,7 @@ the deploy in tests/e2e/test_e2e_serve_settings.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import torch
 
@@ -30,5 +31,27 @@ def test_dtype_kv_budget_and_max_running_from_the_args_take_effect() -> None:
         per_block = info.kv_cache_bytes // info.kv_blocks_total
         assert info.kv_cache_bytes == info.kv_blocks_total * per_block
         assert info.kv_cache_bytes <= KV_BUDGET < info.kv_cache_bytes + per_block
+    finally:
+        app.engine.shutdown()
+
+
+def test_speculation_and_jump_forward_report_their_method_and_counts() -> None:
+    args = TextArgs.model_validate({"speculative": {"method": "ngram"}, "max_jump_forward": 4})
+    app = TextGeneration.func_or_class(None, args)
+    schema = {"type": "object", "properties": {"colour": {"enum": ["crimson", "turquoise"]}}, "required": ["colour"],
+              "additionalProperties": False}
+    try:
+        async def ask() -> text_pb2.ModelInfo:
+            quote = "def add(a, b):\n    return a + b\n\n" * 4
+            await app.Generate(text_pb2.TextRequest(prompt=quote, max_tokens=16, temperature=0.0))
+            await app.Generate(text_pb2.TextRequest(prompt="A record:", max_tokens=40, temperature=0.0,
+                                                    json_schema=json.dumps(schema)))
+            return await app.GetModelInfo(text_pb2.ModelInfoRequest())
+
+        info = asyncio.run(ask())
+        assert info.speculative == "ngram" and info.max_jump_forward == 4
+        assert info.spec_proposed_tokens > 0
+        assert info.spec_acceptance_rate == info.spec_accepted_tokens / info.spec_proposed_tokens
+        assert info.forced_accepted_tokens > 0 and info.forced_proposed_tokens >= info.forced_accepted_tokens
     finally:
         app.engine.shutdown()
