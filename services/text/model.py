@@ -111,12 +111,22 @@ def _ffn(cfg: LlamaConfig, backend: Backend, index: int) -> nn.Module:
     return SwiGLU(cfg.dim, cfg.ffn_hidden, backend=backend, **act)
 
 
+class TokenEmbedding(nn.Embedding):
+    """nn.Embedding without its random init on the meta device, where the loader builds the model before assigning
+    the checkpoint's tensors: torch's meta ``normal_`` (a torch._refs decomposition) imports torch._dynamo on first
+    use, about 2 s of every text replica's start that nothing else needs."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 class Backbone(nn.Module):
     """Embedding, decoder layers and the final norm (HF's ``model.*`` prefix)."""
 
     def __init__(self, cfg: LlamaConfig, backend: Backend):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.embed_tokens = TokenEmbedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, backend, unit_offset=cfg.norm_unit_offset)
         self.embed_scale = cfg.dim ** 0.5 if cfg.embed_scale else 0.0
