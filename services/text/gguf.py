@@ -2,7 +2,10 @@
 
 A `.gguf` file, or a directory holding one, gives the model config (from the `<arch>.*` metadata), the weights under
 Hugging Face names, and the tokenizer and chat template (services/text/gguf_tokenizer.py). Architectures: `llama`
-(Llama and Mistral, which llama.cpp converts as `llama`), `qwen2`, `qwen3`, `gemma2` and `gemma3`. For Gemma,
+(Llama and Mistral, which llama.cpp converts as `llama`), `qwen2`, `qwen3`, `phi3`, `gemma2` and `gemma3`. Phi-3's
+fused `attn_qkv` (q, k, v rows) and `ffn_up` (gate rows, then up rows) are split by rows, kept-quantized ones as
+whole rows of blocks; its longrope factors come from the `rope_factors_long`/`rope_factors_short` tensors and
+`phi3.rope.scaling.original_context_length`. For Gemma,
 llama.cpp's converter stores every RMSNorm gain as 1 + w (its norms multiply by the gain), so 1 is taken off again;
 what its runtime hard-codes, our config states: the softmax scale 1/sqrt(key_length), the sliding layers' RoPE base
 10,000 (Gemma 3) and Gemma 2's alternating windows. `tensor_weight` dequantizes a tensor to the
@@ -26,6 +29,7 @@ from gguf.quants import dequantize
 
 from genserve.services.text.config import LlamaConfig
 from genserve.services.text.gguf_file import GGUFFile, GGUFTensor
+from genserve.services.text.hf_weights import to_model_names
 from genserve.shared.blocks.backend import Backend
 
 SUFFIX = ".gguf"
@@ -35,6 +39,7 @@ ARCHITECTURES = {
     "mistral": ("MistralForCausalLM", True, False),
     "qwen2": ("Qwen2ForCausalLM", False, True),
     "qwen3": ("Qwen3ForCausalLM", False, False),
+    "phi3": ("Phi3ForCausalLM", False, False),
     "gemma2": ("Gemma2ForCausalLM", False, False),
     "gemma3": ("Gemma3ForCausalLM", False, False),
 }
@@ -65,6 +70,10 @@ LAYER_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# Phi-3's fused projections, under HF's fused names (split by hf_weights.to_model_names).
+PHI3_LAYER_NAMES = LAYER_NAMES | {"attn_qkv.weight": "self_attn.qkv_proj.weight",
+                                  "ffn_up.weight": "mlp.gate_up_proj.weight"}
+ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # longrope's factors, not weights
 # Gemma's four norms: llama.cpp's ffn_norm is the one before the FFN, as for Llama, but HF names it apart.
 GEMMA_LAYER_NAMES = LAYER_NAMES | {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
@@ -116,7 +125,7 @@ def hf_name(name: str, arch: str = "llama") -> str:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; an unknown tensor is refused by name."""
     if name in GLOBAL_NAMES:
         return GLOBAL_NAMES[name]
-    layer_names = GEMMA_LAYER_NAMES if arch in GEMMA else LAYER_NAMES
+    layer_names = GEMMA_LAYER_NAMES if arch in GEMMA else PHI3_LAYER_NAMES if arch == "phi3" else LAYER_NAMES
     parts = name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
@@ -162,7 +171,7 @@ class GGUFCheckpoint:
         if scaling not in ("none", "linear"):
             raise ValueError(f"GGUF rope scaling {scaling!r} is not supported (supported: none, linear)")
         rope_scaling = {"rope_type": "linear", "factor": float(self._arch_value("rope.scaling.factor"))} \
-            if scaling == "linear" else {}
+            if scaling == "linear" else self._longrope()
         n_heads = int(self._arch_value("attention.head_count"))
         dim = int(self._arch_value("embedding_length"))
         embed = next((t for t in self.reader.tensors if t.name == "token_embd.weight"), None)
@@ -186,6 +195,18 @@ class GGUFCheckpoint:
             architecture=name,
         )
         return config.replace(**self._family(config))
+
+    def _longrope(self) -> dict[str, Any]:
+        """Phi-3's longrope (rope_scaling as HF writes it) from its factor tensors; {} for a file without them."""
+        factors = {t.name: t for t in self.reader.tensors if t.name in ROPE_FACTORS}
+        if not factors:
+            return {}
+        if len(factors) != 2:
+            raise ValueError(f"{self.path.name}: longrope needs both {' and '.join(ROPE_FACTORS)}")
+        return {"rope_type": "longrope",
+                "long_factor": tuple(tensor_weight(factors["rope_factors_long.weight"], torch.float64).tolist()),
+                "short_factor": tuple(tensor_weight(factors["rope_factors_short.weight"], torch.float64).tolist()),
+                "original_max_position_embeddings": int(self._arch_value("rope.scaling.original_context_length"))}
 
     def _family(self, config: LlamaConfig) -> dict[str, Any]:
         """What qwen3 and Gemma files set beyond the Llama fields (module docstring)."""
@@ -211,9 +232,17 @@ class GGUFCheckpoint:
             out["layer_types"] = tuple("sliding_attention" if s else "full_attention" for s in sliding)
         return out
 
-    def _row_order(self, config: LlamaConfig, tensor: GGUFTensor) -> torch.Tensor | None:
-        """The rows to undo llama.cpp's q/k permutation with, or None for a tensor it did not permute."""
-        heads = {"attn_q": config.n_heads, "attn_k": config.n_kv_heads}.get(tensor.name.split(".")[-2])
+    def _row_order(self, config: LlamaConfig, tensor: GGUFTensor, module: str = "") -> torch.Tensor | None:
+        """The rows of ``tensor`` that make ``module``: its part of a fused Phi-3 projection, or llama.cpp's q/k
+        permutation undone; None for a tensor taken whole, as stored."""
+        kind = tensor.name.split(".")[-2]
+        if self.architecture == "phi3" and kind in ("attn_qkv", "ffn_up"):
+            q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+            parts = {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv)} if kind == "attn_qkv" else \
+                {"gate_proj": (0, config.ffn_hidden), "up_proj": (config.ffn_hidden, config.ffn_hidden)}
+            start, size = parts[module.rsplit(".", 1)[-1]]
+            return torch.arange(start, start + size)
+        heads = {"attn_q": config.n_heads, "attn_k": config.n_kv_heads}.get(kind)
         if heads is None or not ARCHITECTURES[self.architecture][1]:
             return None
         return unpermute_index(int(tensor.shape[-1]), heads)
@@ -229,6 +258,12 @@ class GGUFCheckpoint:
             if name == "model.embed_tokens":  # a lookup table stays dense; a tied head keeps its blocks
                 if not any(t.name == "output.weight" for t in self.reader.tensors):
                     kept["lm_head"] = tensor
+            elif name.endswith(".qkv_proj"):  # Phi-3: each part its own rows (_row_order)
+                kept.update((f"{name.removesuffix('qkv_proj')}{part}", tensor) for part in ("q_proj", "k_proj",
+                                                                                          "v_proj"))
+            elif name.endswith(".gate_up_proj"):
+                kept.update((f"{name.removesuffix('gate_up_proj')}{part}", tensor) for part in ("gate_proj",
+                                                                                              "up_proj"))
             elif name != "model.norm" and not name.endswith("layernorm"):
                 kept[name] = tensor
         return kept
@@ -239,23 +274,26 @@ class GGUFCheckpoint:
         `skip` (GGUF names, kept quantized by the caller) are not dequantized."""
         state = {}
         for tensor in self.reader.tensors:
-            if tensor.name in skip:
+            if tensor.name in skip or tensor.name in ROPE_FACTORS:
                 continue
             weight = tensor_weight(tensor, dtype)
             if self.architecture in GEMMA and tensor.name.endswith("norm.weight"):
                 weight = weight - 1  # llama.cpp stores Gemma's gains as 1 + w
-            rows = self._row_order(config, tensor)
+            rows = None if self.architecture == "phi3" else self._row_order(config, tensor)
             state[hf_name(tensor.name, self.architecture)] = weight if rows is None else weight[rows]
-        return state
+        return to_model_names(state, config) if self.architecture == "phi3" else state
 
     def quant_linear(self, config: LlamaConfig, tensor: GGUFTensor, bias: torch.Tensor | None,
-                     backend: Backend) -> torch.nn.Module:
-        """A QuantLinear over `tensor`'s own blocks, its rows in HF order; `bias` (HF order) is added after."""
+                     backend: Backend, module: str = "") -> torch.nn.Module:
+        """A QuantLinear over `tensor`'s own blocks for `module` (``quantized_linears``' key), its rows in HF order
+        (its part of a fused tensor); `bias` (HF order) is added after."""
         from genserve.shared.blocks.quant_linear import QuantLinear
 
         out_features, in_features = (int(n) for n in reversed(tensor.shape.tolist()))
+        if bias is not None and bias.numel() != out_features:
+            raise ValueError(f"{module}: a bias on part of the fused tensor {tensor.name} is not supported")
         layer = QuantLinear.from_gguf(tensor.tensor_type, tensor.data, (out_features, in_features), bias, backend)
-        rows = self._row_order(config, tensor)
+        rows = self._row_order(config, tensor, module)
         if rows is not None:
             layer = layer.select_rows(rows)
             if bias is not None:  # already in HF order: select_rows moved it with the file's rows

@@ -114,7 +114,7 @@ def load_model(directory: str | Path | GGUFCheckpoint, dtype: str | None = "floa
         owner = model.get_submodule(parent) if parent else model
         dense = getattr(owner, attr)
         bias = None if dense.bias is None else dense.bias.detach().float()
-        setattr(owner, attr, checkpoint.quant_linear(cfg, tensor, bias, model.backend))
+        setattr(owner, attr, checkpoint.quant_linear(cfg, tensor, bias, model.backend, name))
     unloaded = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
     if unloaded:
         raise ValueError(f"checkpoint {directory} left {', '.join(unloaded[:5])} without values")

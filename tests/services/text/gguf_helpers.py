@@ -1,7 +1,8 @@
 """Tiny GGUF files written with gguf.GGUFWriter the way llama.cpp's convert_hf_to_gguf.py writes them: Llama and
-Mistral as the `llama` architecture with q/k rows permuted, Qwen2 and Qwen3 unpermuted, Gemma 2 and 3 with every
-norm gain stored as 1 + w; 1-D tensors in F32, the matrices in the asked type; a byte-level BPE tokenizer
-(vocabulary, merges, control tokens) and a chat template."""
+Mistral as the `llama` architecture with q/k rows permuted, Qwen2, Qwen3 and Phi-3 unpermuted (Phi-3's fused
+projections as they are, its longrope factors as two tensors), Gemma 2 and 3 with every norm gain stored as 1 + w;
+1-D tensors in F32, the matrices in the asked type; a byte-level BPE tokenizer (vocabulary, merges, control
+tokens) and a chat template."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType, TokenType
 from gguf.quants import quantize
 from tokenizers import Tokenizer
 
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-             "gemma3_text": "gemma3"}
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+             "gemma2": "gemma2", "gemma3_text": "gemma3"}
 HF_TO_GGUF = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -26,6 +27,7 @@ LAYER = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused projections
 }
 GEMMA_LAYER = LAYER | {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                        "post_feedforward_layernorm": "post_ffw_norm"}
@@ -81,6 +83,10 @@ def write_gguf(path: Path, hf: torch.nn.Module, qtype: str = "F32", tokenizer: T
     if rope.get("rope_type", "default") == "linear":
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(rope["factor"]))
+    if rope.get("rope_type") == "longrope":  # as convert_hf_to_gguf's Phi3MiniModel writes it
+        writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+        for kind in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{kind}.weight", np.asarray(rope[f"{kind}_factor"], dtype=np.float32))
     writer.add_vocab_size(cfg.vocab_size)
     if arch in ("qwen3", "gemma2", "gemma3"):
         writer.add_key_length(cfg.head_dim)

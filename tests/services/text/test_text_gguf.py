@@ -1,5 +1,5 @@
 """GGUF checkpoints against transformers' own GGUF loading: tiny files written with gguf.GGUFWriter from random HF
-Llama, Mistral and Qwen2 models in F32, Q8_0 and Q4_1; the tokenizer from the metadata; refusals by name."""
+Llama, Mistral, Qwen2 and Phi-3 models in F32, Q8_0 and Q4_1; the tokenizer from the metadata; refusals by name."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ from genserve.shared.blocks.quant_linear import QuantLinear
 
 LOGITS_ATOL = 1e-4
 NEW_TOKENS = 24
-ARCHS = {"llama": {}, "mistral": {}, "qwen2": {"tie_word_embeddings": True}}
+ARCHS = {"llama": {}, "mistral": {}, "qwen2": {"tie_word_embeddings": True}, "phi3": {}}
+OUR_ARCH = {"qwen2": "Qwen2ForCausalLM", "phi3": "Phi3ForCausalLM"}  # else LlamaForCausalLM
 DEMO_TOKENIZER = "services/text/weights/tokenizer.json"
 
 
@@ -34,8 +35,9 @@ def gguf_file(request, tmp_path_factory):
     arch, qtype = request.param
     hf = hf_model(arch, **ARCHS[arch])
     path = write_gguf(tmp_path_factory.mktemp("gguf") / f"{arch}-{qtype}.gguf", hf, qtype, byte_tokenizer()._tok)
+    # GGUF has no padding id; transformers' Phi-3 config would default it past this vocabulary.
     reference = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                                  dtype=torch.float32).eval()
+                                                                  dtype=torch.float32, pad_token_id=None).eval()
     return arch, qtype, hf, path, reference
 
 
@@ -49,7 +51,7 @@ def test_logits_match_transformers_loading_the_same_file(gguf_file, keep):
     model = load_model(path, keep_quantized=keep)
     # Kept: every projection and the LM head (tied or not) run on the file's blocks; the embedding stays dense.
     assert _quant_layers(model) == (7 * model.config.n_layers + 1 if keep and qtype != "F32" else 0)
-    assert model.config.architecture == ("Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM")
+    assert model.config.architecture == OUR_ARCH.get(arch, "LlamaForCausalLM")
     assert model.config.tie_embeddings == (arch == "qwen2")
     ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -69,6 +71,28 @@ def test_greedy_tokens_match_transformers(gguf_file, keep):
     engine = LLMEngine(load_model(path, keep_quantized=keep), byte_tokenizer(), EngineConfig(num_blocks=16))
     _, tokens, reason = engine.generate_batch([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0))[0]
     assert (tokens, reason) == (expected, "length")
+
+
+def test_phi3_longrope_factors_come_from_the_file(tmp_path):
+    """Phi-3 with longrope, as convert_hf_to_gguf writes it (factor tensors, the original context in metadata):
+    the same config and logits as the Hugging Face folder, kept-quantized projections split from the fused ones.
+    transformers' GGUF loader reads no longrope, so the folder is the reference."""
+    hf = hf_model("phi3", original_max_position_embeddings=48, max_position_embeddings=512, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(8)],
+        "long_factor": [1.5 + 0.4 * i for i in range(8)]})
+    hf.save_pretrained(tmp_path / "hf")
+    folder = load_model(tmp_path / "hf")
+    ids = torch.randint(0, VOCAB, (2, 120), generator=torch.Generator().manual_seed(3))  # past the original 48
+    for qtype in ("F32", "Q8_0"):
+        model = load_model(write_gguf(tmp_path / f"phi3-{qtype}.gguf", hf, qtype, byte_tokenizer()._tok),
+                           keep_quantized=True)
+        scaling = dict(model.config.rope_scaling)
+        assert scaling["rope_type"] == "longrope" and scaling["original_max_position_embeddings"] == 48
+        assert np.allclose(scaling["long_factor"], [1.5 + 0.4 * i for i in range(8)])
+        assert _quant_layers(model) == (7 * model.config.n_layers + 1 if qtype != "F32" else 0)
+        with torch.no_grad():
+            drift = (model(ids) - folder(ids)).abs().max().item()
+        assert drift <= LOGITS_ATOL if qtype == "F32" else 1e-3 < drift < 1.0
 
 
 def test_unpermute_inverts_llama_cpp_permutation():
@@ -114,15 +138,15 @@ def test_unsupported_tensor_type_is_refused_by_name(tmp_path):
 
 
 def test_unsupported_architecture_and_tokenizer_are_refused_by_name(tmp_path):
-    writer = GGUFWriter(str(tmp_path / "phi.gguf"), "phi3")
+    writer = GGUFWriter(str(tmp_path / "falcon.gguf"), "falcon")
     writer.add_tokenizer_model("llama")
     writer.add_token_list(["a"])
     writer.add_tensor("token_embd.weight", np.zeros((1, 32), np.float32))
     for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file,
                  writer.close):
         step()
-    with pytest.raises(ValueError, match="GGUF architecture 'phi3' is not supported"):
-        load_model(tmp_path / "phi.gguf")
+    with pytest.raises(ValueError, match="GGUF architecture 'falcon' is not supported"):
+        load_model(tmp_path / "falcon.gguf")
     with pytest.raises(ValueError, match="GGUF tokenizer model 'llama' is not supported"):
         TextTokenizer.from_dir(tmp_path)
 
