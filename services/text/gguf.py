@@ -5,7 +5,9 @@ Hugging Face names, and the tokenizer and chat template (services/text/gguf_toke
 (Llama and Mistral, which llama.cpp converts as `llama`), `qwen2`, `qwen3`, `phi3`, `gemma2` and `gemma3`. Phi-3's
 fused `attn_qkv` (q, k, v rows) and `ffn_up` (gate rows, then up rows) are split by rows, kept-quantized ones as
 whole rows of blocks; its longrope factors come from the `rope_factors_long`/`rope_factors_short` tensors and
-`phi3.rope.scaling.original_context_length`. For Gemma,
+`phi3.rope.scaling.original_context_length`. `qwen3moe` stacks each layer's experts in one tensor per projection
+(`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`: expert e is slice e), served per expert, kept-quantized ones as
+the expert's own blocks; its top-k weights are renormalised, as llama.cpp's qwen3moe graph always does. For Gemma,
 llama.cpp's converter stores every RMSNorm gain as 1 + w (its norms multiply by the gain), so 1 is taken off again;
 what its runtime hard-codes, our config states: the softmax scale 1/sqrt(key_length), the sliding layers' RoPE base
 10,000 (Gemma 3) and Gemma 2's alternating windows. `tensor_weight` dequantizes a tensor to the
@@ -40,6 +42,7 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", False, True),
     "qwen3": ("Qwen3ForCausalLM", False, False),
     "phi3": ("Phi3ForCausalLM", False, False),
+    "qwen3moe": ("Qwen3MoeForCausalLM", False, False),
     "gemma2": ("Gemma2ForCausalLM", False, False),
     "gemma3": ("Gemma3ForCausalLM", False, False),
 }
@@ -69,7 +72,11 @@ LAYER_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # a MoE layer's router
 }
+# A MoE layer's experts, stacked (E, rows, cols) in one tensor each: expert e's projection is slice e.
+EXPERT_NAMES = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
+                "ffn_down_exps.weight": "down_proj"}
 # Phi-3's fused projections, under HF's fused names (split by hf_weights.to_model_names).
 PHI3_LAYER_NAMES = LAYER_NAMES | {"attn_qkv.weight": "self_attn.qkv_proj.weight",
                                   "ffn_up.weight": "mlp.gate_up_proj.weight"}
@@ -119,6 +126,15 @@ def unpermute_index(rows: int, n_heads: int) -> torch.Tensor:
     interleaved rotary pairs (i, half) back to HF's halves (half, i). New row i is the file's row index[i], for a
     weight (rows, in), a bias (rows,) or rows of quantized blocks alike."""
     return torch.arange(rows).reshape(n_heads, rows // n_heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def expert_names(name: str, n_experts: int) -> list[str] | None:
+    """`blk.3.ffn_up_exps.weight` -> the HF names of each expert's slice (`model.layers.3.mlp.experts.{e}.up_proj
+    .weight`); None for a tensor that holds no experts."""
+    parts = name.split(".", 2)
+    if len(parts) != 3 or parts[2] not in EXPERT_NAMES:
+        return None
+    return [f"model.layers.{parts[1]}.mlp.experts.{e}.{EXPERT_NAMES[parts[2]]}.weight" for e in range(n_experts)]
 
 
 def hf_name(name: str, arch: str = "llama") -> str:
@@ -213,6 +229,10 @@ class GGUFCheckpoint:
         arch = self.architecture
         if arch == "qwen3":
             return {"qk_norm": True}
+        if arch == "qwen3moe":
+            return {"qk_norm": True, "n_experts": int(self._arch_value("expert_count")),
+                    "n_experts_per_token": int(self._arch_value("expert_used_count")),
+                    "moe_hidden": int(self._arch_value("expert_feed_forward_length")), "norm_topk_prob": True}
         if arch not in GEMMA:
             return {}
         out: dict[str, Any] = dict(
@@ -254,6 +274,10 @@ class GGUFCheckpoint:
         for tensor in self.reader.tensors:
             if tensor.tensor_type not in KEPT_QUANTIZED or not tensor.name.endswith(".weight"):
                 continue
+            experts = expert_names(tensor.name, int(tensor.shape[-1]))
+            if experts is not None:  # each expert its own layer over its slice (quant_linear)
+                kept.update((e.removesuffix(".weight"), tensor) for e in experts)
+                continue
             name = hf_name(tensor.name, self.architecture).removesuffix(".weight")
             if name == "model.embed_tokens":  # a lookup table stays dense; a tied head keeps its blocks
                 if not any(t.name == "output.weight" for t in self.reader.tensors):
@@ -264,7 +288,7 @@ class GGUFCheckpoint:
             elif name.endswith(".gate_up_proj"):
                 kept.update((f"{name.removesuffix('gate_up_proj')}{part}", tensor) for part in ("gate_proj",
                                                                                               "up_proj"))
-            elif name != "model.norm" and not name.endswith("layernorm"):
+            elif name != "model.norm" and not name.endswith(("layernorm", ".mlp.gate")):  # a router is read whole
                 kept[name] = tensor
         return kept
 
@@ -279,6 +303,10 @@ class GGUFCheckpoint:
             weight = tensor_weight(tensor, dtype)
             if self.architecture in GEMMA and tensor.name.endswith("norm.weight"):
                 weight = weight - 1  # llama.cpp stores Gemma's gains as 1 + w
+            experts = expert_names(tensor.name, weight.shape[0])
+            if experts is not None:
+                state.update(zip(experts, weight.unbind(0), strict=True))
+                continue
             rows = None if self.architecture == "phi3" else self._row_order(config, tensor)
             state[hf_name(tensor.name, self.architecture)] = weight if rows is None else weight[rows]
         return to_model_names(state, config) if self.architecture == "phi3" else state
@@ -289,10 +317,13 @@ class GGUFCheckpoint:
         (its part of a fused tensor); `bias` (HF order) is added after."""
         from genserve.shared.blocks.quant_linear import QuantLinear
 
-        out_features, in_features = (int(n) for n in reversed(tensor.shape.tolist()))
+        data = tensor.data
+        if expert_names(tensor.name, 1) is not None:  # (E, rows, row bytes): this module's expert is slice e
+            data = data[int(module.split(".experts.")[1].split(".")[0])]
+        out_features, in_features = (int(n) for n in reversed(tensor.shape.tolist()[:2]))
         if bias is not None and bias.numel() != out_features:
             raise ValueError(f"{module}: a bias on part of the fused tensor {tensor.name} is not supported")
-        layer = QuantLinear.from_gguf(tensor.tensor_type, tensor.data, (out_features, in_features), bias, backend)
+        layer = QuantLinear.from_gguf(tensor.tensor_type, data, (out_features, in_features), bias, backend)
         rows = self._row_order(config, tensor, module)
         if rows is not None:
             layer = layer.select_rows(rows)

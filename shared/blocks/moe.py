@@ -116,7 +116,8 @@ class MoE(nn.Module):
         """Experts a fused kernel computes: SiLU-gated, without biases, with dense weights."""
         first = self.experts[0]
         return (first.activation == "silu" and first.gate_proj.bias is None
-                and isinstance(first.gate_proj.weight, torch.Tensor) and first.gate_proj.weight.dim() == 2)
+                and isinstance(getattr(first.gate_proj, "weight", None), torch.Tensor)
+                and first.gate_proj.weight.dim() == 2)  # not the blocks of a GGUF file's kept-quantized experts
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """[W_gate; W_up] (E, 2I, dim) and W_down (E, dim, I), stacked on first use; the experts' weights become views

@@ -16,7 +16,7 @@ from gguf.quants import quantize
 from tokenizers import Tokenizer
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-             "gemma2": "gemma2", "gemma3_text": "gemma3"}
+             "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3_text": "gemma3"}
 HF_TO_GGUF = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -28,6 +28,7 @@ LAYER = {
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused projections
+    "mlp.gate": "ffn_gate_inp",  # a MoE router
 }
 GEMMA_LAYER = LAYER | {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                        "post_feedforward_layernorm": "post_ffw_norm"}
@@ -38,6 +39,8 @@ CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['cont
 def gguf_name(name: str, arch: str = "llama") -> str:
     if name in HF_TO_GGUF:
         return HF_TO_GGUF[name]
+    if name.startswith("blk."):  # already a GGUF name (_stacked_experts)
+        return name
     _, _, layer, rest = name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
     return f"blk.{layer}.{(GEMMA_LAYER if arch.startswith('gemma') else LAYER)[module]}.{kind}"
@@ -66,6 +69,23 @@ def add_tokenizer(writer: GGUFWriter, tokenizer: Tokenizer, pre: str = "gpt-2", 
     writer.add_add_bos_token(False)
 
 
+def _stacked_experts(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """The state with a MoE layer's experts as llama.cpp stacks them: transformers' fused gate_up_proj (E, 2I, dim),
+    gate rows first, becomes `ffn_gate_exps` and `ffn_up_exps` (E, I, dim); down_proj (E, dim, I) `ffn_down_exps`.
+    Their names are returned as GGUF names already, the rest as HF names."""
+    out = []
+    for name, tensor in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            layer = name.split(".")[2]
+            gate, up = tensor.chunk(2, dim=1)
+            out += [(f"blk.{layer}.ffn_gate_exps.weight", gate), (f"blk.{layer}.ffn_up_exps.weight", up)]
+        elif name.endswith("mlp.experts.down_proj"):
+            out.append((f"blk.{name.split('.')[2]}.ffn_down_exps.weight", tensor))
+        else:
+            out.append((name, tensor))
+    return out
+
+
 def write_gguf(path: Path, hf: torch.nn.Module, qtype: str = "F32", tokenizer: Tokenizer | None = None,
                chat_template: str | None = None, eos: str | None = None, pre: str = "gpt-2") -> Path:
     cfg = hf.config
@@ -88,9 +108,13 @@ def write_gguf(path: Path, hf: torch.nn.Module, qtype: str = "F32", tokenizer: T
         for kind in ("long", "short"):
             writer.add_tensor(f"rope_factors_{kind}.weight", np.asarray(rope[f"{kind}_factor"], dtype=np.float32))
     writer.add_vocab_size(cfg.vocab_size)
-    if arch in ("qwen3", "gemma2", "gemma3"):
+    if arch in ("qwen3", "qwen3moe", "gemma2", "gemma3"):
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
+    if arch == "qwen3moe":
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if arch in ("gemma2", "gemma3"):
         writer.add_sliding_window(cfg.sliding_window)
         if cfg.attn_logit_softcapping:
@@ -107,7 +131,7 @@ def write_gguf(path: Path, hf: torch.nn.Module, qtype: str = "F32", tokenizer: T
     state = hf.state_dict()
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    for name, tensor in state.items():
+    for name, tensor in _stacked_experts(state):
         target = gguf_name(name, arch)
         data = tensor.detach().float().numpy()
         if arch.startswith("gemma") and name.endswith("norm.weight"):
@@ -115,7 +139,7 @@ def write_gguf(path: Path, hf: torch.nn.Module, qtype: str = "F32", tokenizer: T
         kind = target.split(".")[-2]
         if arch == "llama" and kind in heads:
             data = permute(data, heads[kind])
-        if data.ndim == 2 and qtype != "F32":
+        if data.ndim >= 2 and qtype != "F32" and kind != "ffn_gate_inp":  # llama-quantize keeps routers in F32
             raw = GGMLQuantizationType[qtype]
             writer.add_tensor(target, quantize(data, raw), raw_dtype=raw)
         else:

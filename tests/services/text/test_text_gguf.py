@@ -1,5 +1,6 @@
 """GGUF checkpoints against transformers' own GGUF loading: tiny files written with gguf.GGUFWriter from random HF
-Llama, Mistral, Qwen2 and Phi-3 models in F32, Q8_0 and Q4_1; the tokenizer from the metadata; refusals by name."""
+Llama, Mistral, Qwen2, Phi-3 and Qwen3-MoE models in F32, Q8_0 and Q4_1; the tokenizer from the metadata; refusals
+by name."""
 
 from __future__ import annotations
 
@@ -93,6 +94,33 @@ def test_phi3_longrope_factors_come_from_the_file(tmp_path):
         with torch.no_grad():
             drift = (model(ids) - folder(ids)).abs().max().item()
         assert drift <= LOGITS_ATOL if qtype == "F32" else 1e-3 < drift < 1.0
+
+
+# transformers' GGUF reader leaves these two at its config's defaults: GGUF stores the experts' width as
+# expert_feed_forward_length, and llama.cpp's qwen3moe graph always renormalises the top-k weights.
+QWEN3_MOE = dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_1"])
+def test_qwen3_moe_experts_load_from_their_stacked_tensors(tmp_path, qtype):
+    hf = hf_model("qwen3_moe", **QWEN3_MOE)
+    path = write_gguf(tmp_path / f"qwen3moe-{qtype}.gguf", hf, qtype, byte_tokenizer()._tok)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32, moe_intermediate_size=32, norm_topk_prob=True).eval()
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
+    prompt = ids[0, :19].tolist()
+    expected = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                  min_new_tokens=NEW_TOKENS)[0, len(prompt):].tolist()
+    for keep in (False, True):
+        model = load_model(path, keep_quantized=keep)
+        assert model.config.architecture == "Qwen3MoeForCausalLM" and model.config.n_experts == 4
+        # Kept: the 4 attention projections and every expert's 3 per layer, and the head; the router stays dense.
+        assert _quant_layers(model) == ((4 + 4 * 3) * model.config.n_layers + 1 if keep and qtype != "F32" else 0)
+        with torch.no_grad():
+            assert (model(ids) - reference(ids).logits).abs().max().item() <= LOGITS_ATOL
+        engine = LLMEngine(model, byte_tokenizer(), EngineConfig(num_blocks=16))
+        _, tokens, _ = engine.generate_batch([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0))[0]
+        assert tokens == expected
 
 
 def test_unpermute_inverts_llama_cpp_permutation():
