@@ -7,7 +7,8 @@ fused `attn_qkv` (q, k, v rows) and `ffn_up` (gate rows, then up rows) are split
 whole rows of blocks; its longrope factors come from the `rope_factors_long`/`rope_factors_short` tensors and
 `phi3.rope.scaling.original_context_length`. `qwen3moe` stacks each layer's experts in one tensor per projection
 (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`: expert e is slice e), served per expert, kept-quantized ones as
-the expert's own blocks; its top-k weights are renormalised, as llama.cpp's qwen3moe graph always does. For Gemma,
+the expert's own blocks; its top-k weights are renormalised, as llama.cpp's qwen3moe graph always does. Mixtral is
+a `llama` file with `llama.expert_count` and the same stacked experts. For Gemma,
 llama.cpp's converter stores every RMSNorm gain as 1 + w (its norms multiply by the gain), so 1 is taken off again;
 what its runtime hard-codes, our config states: the softmax scale 1/sqrt(key_length), the sliding layers' RoPE base
 10,000 (Gemma 3) and Gemma 2's alternating windows. `tensor_weight` dequantizes a tensor to the
@@ -183,6 +184,8 @@ class GGUFCheckpoint:
     def config(self) -> LlamaConfig:
         arch = self.architecture
         name, _, qkv_bias = ARCHITECTURES[arch]
+        if arch == "llama" and f"{arch}.expert_count" in self.metadata:
+            name = "MixtralForCausalLM"  # llama.cpp converts Mixtral as `llama` with experts
         scaling = self.metadata.get(f"{arch}.rope.scaling.type", "none")
         if scaling not in ("none", "linear"):
             raise ValueError(f"GGUF rope scaling {scaling!r} is not supported (supported: none, linear)")
@@ -229,10 +232,12 @@ class GGUFCheckpoint:
         arch = self.architecture
         if arch == "qwen3":
             return {"qk_norm": True}
-        if arch == "qwen3moe":
-            return {"qk_norm": True, "n_experts": int(self._arch_value("expert_count")),
+        if arch in ("qwen3moe", "llama") and f"{arch}.expert_count" in self.metadata:
+            # Mixtral's experts are feed_forward_length wide; both graphs renormalise the top-k weights.
+            width = "expert_feed_forward_length" if arch == "qwen3moe" else "feed_forward_length"
+            return {"qk_norm": arch == "qwen3moe", "n_experts": int(self._arch_value("expert_count")),
                     "n_experts_per_token": int(self._arch_value("expert_used_count")),
-                    "moe_hidden": int(self._arch_value("expert_feed_forward_length")), "norm_topk_prob": True}
+                    "moe_hidden": int(self._arch_value(width)), "norm_topk_prob": True}
         if arch not in GEMMA:
             return {}
         out: dict[str, Any] = dict(

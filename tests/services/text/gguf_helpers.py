@@ -16,7 +16,7 @@ from gguf.quants import quantize
 from tokenizers import Tokenizer
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-             "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+             "qwen3_moe": "qwen3moe", "mixtral": "llama", "gemma2": "gemma2", "gemma3_text": "gemma3"}
 HF_TO_GGUF = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -115,6 +115,9 @@ def write_gguf(path: Path, hf: torch.nn.Module, qtype: str = "F32", tokenizer: T
         writer.add_expert_count(cfg.num_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if cfg.model_type == "mixtral":
+        writer.add_expert_count(cfg.num_local_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
     if arch in ("gemma2", "gemma3"):
         writer.add_sliding_window(cfg.sliding_window)
         if cfg.attn_logit_softcapping:

@@ -1,6 +1,6 @@
 """GGUF checkpoints against transformers' own GGUF loading: tiny files written with gguf.GGUFWriter from random HF
-Llama, Mistral, Qwen2, Phi-3 and Qwen3-MoE models in F32, Q8_0 and Q4_1; the tokenizer from the metadata; refusals
-by name."""
+Llama, Mistral, Qwen2, Phi-3, Qwen3-MoE and Mixtral models in F32, Q8_0 and Q4_1; the tokenizer from the metadata;
+refusals by name."""
 
 from __future__ import annotations
 
@@ -121,6 +121,28 @@ def test_qwen3_moe_experts_load_from_their_stacked_tensors(tmp_path, qtype):
         engine = LLMEngine(model, byte_tokenizer(), EngineConfig(num_blocks=16))
         _, tokens, _ = engine.generate_batch([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0))[0]
         assert tokens == expected
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_mixtral_is_a_llama_file_with_experts(tmp_path, qtype):
+    """llama.cpp converts Mixtral as `llama` (q/k permuted) with `llama.expert_count` and stacked experts;
+    transformers' GGUF reader takes such a file for a dense Llama, so the reference is the HF model itself:
+    equal logits from the F32 file, the quantized file within its rounding, and the same greedy tokens from F32."""
+    hf = hf_model("mixtral", num_local_experts=4, num_experts_per_tok=2)
+    path = write_gguf(tmp_path / f"mixtral-{qtype}.gguf", hf, qtype, byte_tokenizer()._tok)
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
+    model = load_model(path, keep_quantized=True)
+    assert model.config.architecture == "MixtralForCausalLM" and model.config.n_experts == 4
+    assert _quant_layers(model) == ((4 + 4 * 3) * model.config.n_layers + 1 if qtype != "F32" else 0)
+    with torch.no_grad():
+        drift = (model(ids) - hf(ids).logits).abs().max().item()
+    assert drift <= LOGITS_ATOL if qtype == "F32" else 1e-3 < drift < 2.0
+    if qtype == "F32":
+        prompt = ids[0, :19].tolist()
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                               min_new_tokens=NEW_TOKENS)[0, len(prompt):].tolist()
+        engine = LLMEngine(model, byte_tokenizer(), EngineConfig(num_blocks=16))
+        assert engine.generate_batch([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0))[0][1] == expected
 
 
 def test_unpermute_inverts_llama_cpp_permutation():
