@@ -8,7 +8,9 @@ whole rows of blocks; its longrope factors come from the `rope_factors_long`/`ro
 `phi3.rope.scaling.original_context_length`. `qwen3moe` stacks each layer's experts in one tensor per projection
 (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`: expert e is slice e), served per expert, kept-quantized ones as
 the expert's own blocks; its top-k weights are renormalised, as llama.cpp's qwen3moe graph always does. Mixtral is
-a `llama` file with `llama.expert_count` and the same stacked experts. For Gemma,
+a `llama` file with `llama.expert_count` and the same stacked experts. `gpt-oss` adds biases (the experts' stacked
+too), a sink logit per head, MXFP4 experts and YaRN with the betas llama.cpp assumes; its even layers slide. For
+Gemma,
 llama.cpp's converter stores every RMSNorm gain as 1 + w (its norms multiply by the gain), so 1 is taken off again;
 what its runtime hard-codes, our config states: the softmax scale 1/sqrt(key_length), the sliding layers' RoPE base
 10,000 (Gemma 3) and Gemma 2's alternating windows. `tensor_weight` dequantizes a tensor to the
@@ -44,13 +46,14 @@ ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", False, False),
     "phi3": ("Phi3ForCausalLM", False, False),
     "qwen3moe": ("Qwen3MoeForCausalLM", False, False),
+    "gpt-oss": ("GptOssForCausalLM", False, True),
     "gemma2": ("Gemma2ForCausalLM", False, False),
     "gemma3": ("Gemma3ForCausalLM", False, False),
 }
 GEMMA = ("gemma2", "gemma3")
 GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train_swa for Gemma 3
 Q = GGMLQuantizationType
-SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4})
 # Served as the file's own blocks (QuantLinear) when kept quantized; K-quants are dequantized.
 KEPT_QUANTIZED = frozenset({Q.Q8_0, Q.Q4_0, Q.Q4_1})
 GLOBAL_NAMES = {
@@ -75,9 +78,17 @@ LAYER_NAMES = {
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate_inp.weight": "mlp.gate.weight",  # a MoE layer's router
 }
-# A MoE layer's experts, stacked (E, rows, cols) in one tensor each: expert e's projection is slice e.
-EXPERT_NAMES = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
-                "ffn_down_exps.weight": "down_proj"}
+# gpt-oss: biases everywhere, a sink logit per head, and the norm before the FFN under llama.cpp's post-attention name.
+GPT_OSS_LAYER_NAMES = LAYER_NAMES | {
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_sinks.weight": "self_attn.sinks",
+    "ffn_gate_inp.bias": "mlp.gate.bias",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+}
+# A MoE layer's experts, stacked (E, rows, cols) in one tensor each (their biases (E, rows)): expert e is slice e.
+EXPERT_NAMES = {f"ffn_{kind}_exps.{part}": f"{kind}_proj.{part}" for kind in ("gate", "up", "down")
+                for part in ("weight", "bias")}
+GPT_OSS_ROPE = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}  # what llama.cpp's gpt-oss graph assumes
 # Phi-3's fused projections, under HF's fused names (split by hf_weights.to_model_names).
 PHI3_LAYER_NAMES = LAYER_NAMES | {"attn_qkv.weight": "self_attn.qkv_proj.weight",
                                   "ffn_up.weight": "mlp.gate_up_proj.weight"}
@@ -135,14 +146,15 @@ def expert_names(name: str, n_experts: int) -> list[str] | None:
     parts = name.split(".", 2)
     if len(parts) != 3 or parts[2] not in EXPERT_NAMES:
         return None
-    return [f"model.layers.{parts[1]}.mlp.experts.{e}.{EXPERT_NAMES[parts[2]]}.weight" for e in range(n_experts)]
+    return [f"model.layers.{parts[1]}.mlp.experts.{e}.{EXPERT_NAMES[parts[2]]}" for e in range(n_experts)]
 
 
 def hf_name(name: str, arch: str = "llama") -> str:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; an unknown tensor is refused by name."""
     if name in GLOBAL_NAMES:
         return GLOBAL_NAMES[name]
-    layer_names = GEMMA_LAYER_NAMES if arch in GEMMA else PHI3_LAYER_NAMES if arch == "phi3" else LAYER_NAMES
+    layer_names = {"phi3": PHI3_LAYER_NAMES, "gpt-oss": GPT_OSS_LAYER_NAMES}.get(
+        arch, GEMMA_LAYER_NAMES if arch in GEMMA else LAYER_NAMES)
     parts = name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
@@ -187,10 +199,14 @@ class GGUFCheckpoint:
         if arch == "llama" and f"{arch}.expert_count" in self.metadata:
             name = "MixtralForCausalLM"  # llama.cpp converts Mixtral as `llama` with experts
         scaling = self.metadata.get(f"{arch}.rope.scaling.type", "none")
-        if scaling not in ("none", "linear"):
-            raise ValueError(f"GGUF rope scaling {scaling!r} is not supported (supported: none, linear)")
-        rope_scaling = {"rope_type": "linear", "factor": float(self._arch_value("rope.scaling.factor"))} \
-            if scaling == "linear" else self._longrope()
+        if scaling not in ("none", "linear") and not (scaling == "yarn" and arch == "gpt-oss"):
+            raise ValueError(f"GGUF rope scaling {scaling!r} is not supported (supported: none, linear; yarn for "
+                             "gpt-oss)")
+        rope_scaling = {"rope_type": scaling, "factor": float(self._arch_value("rope.scaling.factor"))} \
+            if scaling != "none" else self._longrope()
+        if scaling == "yarn":
+            rope_scaling.update(GPT_OSS_ROPE, original_max_position_embeddings=int(
+                self._arch_value("rope.scaling.original_context_length")))
         n_heads = int(self._arch_value("attention.head_count"))
         dim = int(self._arch_value("embedding_length"))
         embed = next((t for t in self.reader.tensors if t.name == "token_embd.weight"), None)
@@ -232,6 +248,15 @@ class GGUFCheckpoint:
         arch = self.architecture
         if arch == "qwen3":
             return {"qk_norm": True}
+        if arch == "gpt-oss":
+            n = config.n_layers  # llama.cpp's swa pattern 2: the even layers slide
+            return {"attention_sinks": True, "o_bias": True, "router_bias": True, "expert_bias": True,
+                    "hidden_act": "swiglu_clamped", "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+                    "n_experts": int(self._arch_value("expert_count")),
+                    "n_experts_per_token": int(self._arch_value("expert_used_count")),
+                    "moe_hidden": int(self._arch_value("expert_feed_forward_length")), "norm_topk_prob": True,
+                    "layer_types": tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n))
+                    if config.sliding_window else ()}
         if arch in ("qwen3moe", "llama") and f"{arch}.expert_count" in self.metadata:
             # Mixtral's experts are feed_forward_length wide; both graphs renormalise the top-k weights.
             width = "expert_feed_forward_length" if arch == "qwen3moe" else "feed_forward_length"
@@ -281,7 +306,8 @@ class GGUFCheckpoint:
                 continue
             experts = expert_names(tensor.name, int(tensor.shape[-1]))
             if experts is not None:  # each expert its own layer over its slice (quant_linear)
-                kept.update((e.removesuffix(".weight"), tensor) for e in experts)
+                experts = [e.removesuffix(".weight") for e in experts]
+                kept.update((e, tensor) for e in experts)
                 continue
             name = hf_name(tensor.name, self.architecture).removesuffix(".weight")
             if name == "model.embed_tokens":  # a lookup table stays dense; a tied head keeps its blocks

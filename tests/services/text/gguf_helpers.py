@@ -16,7 +16,8 @@ from gguf.quants import quantize
 from tokenizers import Tokenizer
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-             "qwen3_moe": "qwen3moe", "mixtral": "llama", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+             "qwen3_moe": "qwen3moe", "mixtral": "llama", "gpt_oss": "gpt-oss", "gemma2": "gemma2",
+             "gemma3_text": "gemma3"}
 HF_TO_GGUF = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -30,6 +31,8 @@ LAYER = {
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused projections
     "mlp.gate": "ffn_gate_inp",  # a MoE router
 }
+GPT_OSS_LAYER = LAYER | {"post_attention_layernorm": "post_attention_norm", "self_attn.sinks": "attn_sinks",
+                         "mlp.router": "ffn_gate_inp"}
 GEMMA_LAYER = LAYER | {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                        "post_feedforward_layernorm": "post_ffw_norm"}
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
@@ -42,8 +45,11 @@ def gguf_name(name: str, arch: str = "llama") -> str:
     if name.startswith("blk."):  # already a GGUF name (_stacked_experts)
         return name
     _, _, layer, rest = name.split(".", 3)
+    if rest == "self_attn.sinks":
+        return f"blk.{layer}.attn_sinks.weight"
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{(GEMMA_LAYER if arch.startswith('gemma') else LAYER)[module]}.{kind}"
+    names = GEMMA_LAYER if arch.startswith("gemma") else GPT_OSS_LAYER if arch == "gpt-oss" else LAYER
+    return f"blk.{layer}.{names[module]}.{kind}"
 
 
 def permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -75,7 +81,19 @@ def _stacked_experts(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Te
     Their names are returned as GGUF names already, the rest as HF names."""
     out = []
     for name, tensor in state.items():
-        if name.endswith("mlp.experts.gate_up_proj"):
+        layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+        if name.endswith("mlp.experts.gate_up_proj") and f"{name}_bias" in state:
+            # gpt-oss: (E, dim, 2I), gate and up interleaved by column; down_proj (E, I, dim): x @ W layouts
+            out += [(f"blk.{layer}.ffn_gate_exps.weight", tensor[:, :, 0::2].transpose(1, 2)),
+                    (f"blk.{layer}.ffn_up_exps.weight", tensor[:, :, 1::2].transpose(1, 2))]
+        elif name.endswith("mlp.experts.gate_up_proj_bias"):
+            out += [(f"blk.{layer}.ffn_gate_exps.bias", tensor[:, 0::2]), (f"blk.{layer}.ffn_up_exps.bias",
+                                                                          tensor[:, 1::2])]
+        elif name.endswith("mlp.experts.down_proj_bias"):
+            out.append((f"blk.{layer}.ffn_down_exps.bias", tensor))
+        elif name.endswith("mlp.experts.down_proj") and f"{name}_bias" in state:
+            out.append((f"blk.{layer}.ffn_down_exps.weight", tensor.transpose(1, 2)))
+        elif name.endswith("mlp.experts.gate_up_proj"):
             layer = name.split(".")[2]
             gate, up = tensor.chunk(2, dim=1)
             out += [(f"blk.{layer}.ffn_gate_exps.weight", gate), (f"blk.{layer}.ffn_up_exps.weight", up)]
@@ -115,9 +133,17 @@ def write_gguf(path: Path, hf: torch.nn.Module, qtype: str = "F32", tokenizer: T
         writer.add_expert_count(cfg.num_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    if cfg.model_type == "mixtral":
+    if cfg.model_type in ("mixtral", "gpt_oss"):
         writer.add_expert_count(cfg.num_local_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch == "gpt-oss":
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+        writer.add_expert_feed_forward_length(cfg.intermediate_size)
+        writer.add_sliding_window(cfg.sliding_window)
+        writer.add_rope_scaling_type(RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
     if arch in ("gemma2", "gemma3"):
         writer.add_sliding_window(cfg.sliding_window)
         if cfg.attn_logit_softcapping:
@@ -142,8 +168,9 @@ def write_gguf(path: Path, hf: torch.nn.Module, qtype: str = "F32", tokenizer: T
         kind = target.split(".")[-2]
         if arch == "llama" and kind in heads:
             data = permute(data, heads[kind])
-        if data.ndim >= 2 and qtype != "F32" and kind != "ffn_gate_inp":  # llama-quantize keeps routers in F32
-            raw = GGMLQuantizationType[qtype]
+        if data.ndim >= 2 and qtype != "F32" and kind != "ffn_gate_inp" and target.endswith(".weight"):
+            # llama-quantize keeps routers in F32; MXFP4 is for experts only, as in gpt-oss's own files
+            raw = GGMLQuantizationType[qtype if qtype != "MXFP4" or "_exps" in kind else "Q8_0"]
             writer.add_tensor(target, quantize(data, raw), raw_dtype=raw)
         else:
             writer.add_tensor(target, np.ascontiguousarray(data, dtype=np.float32))

@@ -1,6 +1,6 @@
 """GGUF checkpoints against transformers' own GGUF loading: tiny files written with gguf.GGUFWriter from random HF
-Llama, Mistral, Qwen2, Phi-3, Qwen3-MoE and Mixtral models in F32, Q8_0 and Q4_1; the tokenizer from the metadata;
-refusals by name."""
+Llama, Mistral, Qwen2, Phi-3, Qwen3-MoE, Mixtral and gpt-oss models in F32, Q8_0, Q4_1 and MXFP4; the tokenizer
+from the metadata; refusals by name."""
 
 from __future__ import annotations
 
@@ -134,6 +134,39 @@ def test_mixtral_is_a_llama_file_with_experts(tmp_path, qtype):
     model = load_model(path, keep_quantized=True)
     assert model.config.architecture == "MixtralForCausalLM" and model.config.n_experts == 4
     assert _quant_layers(model) == ((4 + 4 * 3) * model.config.n_layers + 1 if qtype != "F32" else 0)
+    with torch.no_grad():
+        drift = (model(ids) - hf(ids).logits).abs().max().item()
+    assert drift <= LOGITS_ATOL if qtype == "F32" else 1e-3 < drift < 2.0
+    if qtype == "F32":
+        prompt = ids[0, :19].tolist()
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                               min_new_tokens=NEW_TOKENS)[0, len(prompt):].tolist()
+        engine = LLMEngine(model, byte_tokenizer(), EngineConfig(num_blocks=16))
+        assert engine.generate_batch([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0))[0][1] == expected
+
+
+GPT_OSS = dict(num_hidden_layers=4, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+               max_position_embeddings=256, attn_implementation="eager", rope_scaling={
+                   "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                   "beta_slow": 1.0, "truncate": False})
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "MXFP4"])
+def test_gpt_oss_loads_with_biases_sinks_windows_and_mxfp4_experts(tmp_path, qtype):
+    """gpt-oss as convert_hf_to_gguf writes it (gate and up de-interleaved and transposed, biases stacked like the
+    experts, sinks, YaRN); transformers' gpt-oss GGUF reader expects tensor names llama.cpp does not write, so the
+    reference is the HF model: F32 logits equal past YaRN's original context, 24 greedy tokens; Q8_0 kept as blocks
+    (experts per expert) and MXFP4 experts (dequantized) within their rounding."""
+    hf = hf_model("gpt_oss", **GPT_OSS)
+    model = load_model(write_gguf(tmp_path / f"gpt-oss-{qtype}.gguf", hf, qtype, byte_tokenizer()._tok),
+                       keep_quantized=True)
+    cfg = model.config
+    assert cfg.architecture == "GptOssForCausalLM" and cfg.attention_sinks and cfg.rope_type == "yarn"
+    assert [cfg.layer_window(i) for i in range(cfg.n_layers)] == [8, 0, 8, 0]
+    # Q8_0: attention and every expert kept; MXFP4 (experts only, as gpt-oss ships): attention kept, experts dense.
+    kept = {"F32": 0, "Q8_0": (4 + 4 * 3) * cfg.n_layers + 1, "MXFP4": 4 * cfg.n_layers + 1}
+    assert _quant_layers(model) == kept[qtype]
+    ids = torch.randint(0, VOCAB, (2, 100), generator=torch.Generator().manual_seed(3))  # past the original 64
     with torch.no_grad():
         drift = (model(ids) - hf(ids).logits).abs().max().item()
     assert drift <= LOGITS_ATOL if qtype == "F32" else 1e-3 < drift < 2.0

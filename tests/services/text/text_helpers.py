@@ -32,7 +32,7 @@ def byte_tokenizer() -> TextTokenizer:
 
 def hf_model(arch: str, **overrides):
     """A random tiny transformers model of ``arch`` ("llama" | "mistral" | "qwen2" | "phi3" | "qwen3_moe" |
-    "mixtral"), every weight non-trivial."""
+    "mixtral" | "gpt_oss"), every weight non-trivial."""
     import transformers
 
     cls_cfg, cls_model = {
@@ -42,6 +42,7 @@ def hf_model(arch: str, **overrides):
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }[arch]
     kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None,
