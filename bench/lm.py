@@ -513,7 +513,7 @@ def bench_speculative(args: argparse.Namespace) -> int:
     """SmolLM2 Q4_1 kept quantised, greedy, with and without n-gram speculation."""
     path = gguf_path(args.model or "smollm2")
     tokenizer = TextTokenizer.from_dir(path)
-    spec = SpeculativeConfig(num_tokens=args.num_speculative_tokens, ngram_min=1, ngram_max=4)
+    spec = SpeculativeConfig(num_tokens=args.num_speculative_tokens)
 
     def engine(speculative: SpeculativeConfig | None) -> LLMEngine:
         return LLMEngine(load_model(path, "float32", keep_quantized=True), tokenizer, EngineConfig(

@@ -59,7 +59,8 @@ class SpeculativeConfig:
 
     method: Literal["ngram"] = "ngram"
     num_tokens: int = 4
-    ngram_min: int = 1
+    # 2: a one-token match drafts in open-ended text too, where nearly every draft is rejected (docs/benchmarks.md)
+    ngram_min: int = 2
     ngram_max: int = 4
     max_batch: int = 8
 
