@@ -284,11 +284,12 @@ def _client_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("adapters", parents=common,
                        help="the text model's LoRA adapters: list, load NAME PATH, unload NAME (admin key)")
     ops = p.add_subparsers(dest="op", required=True)
-    ops.add_parser("list", help="the adapters loaded now")
-    load = ops.add_parser("load", help="load the PEFT folder PATH (under the server's lora.root) as NAME")
+    ops.add_parser("list", help="the adapters loaded now", parents=common)  # --address etc. after the op too
+    load = ops.add_parser("load", help="load the PEFT folder PATH (under the server's lora.root) as NAME",
+                          parents=common)
     load.add_argument("name")
     load.add_argument("path")
-    ops.add_parser("unload", help="unload adapter NAME").add_argument("name")
+    ops.add_parser("unload", help="unload adapter NAME", parents=common).add_argument("name")
     p.set_defaults(func=cmd_adapters)
 
     p = sub.add_parser("gan", help="sample images from the GAN (ImageGan.Sample / Interpolate)", parents=common)

@@ -138,7 +138,7 @@ def test_adapters_load_list_unload_and_text_with_an_adapter(fake_server, capsys)
     address, seen = fake_server
     assert main(["--address", address, "adapters", "load", "sql", "loras/sql"]) == 0
     assert (seen[-1][1].name, seen[-1][1].path) == ("sql", "loras/sql")
-    assert main(["--address", address, "adapters", "list"]) == 0
+    assert main(["adapters", "list", "--address", address]) == 0  # the options after the op, as after a command
     assert main(["--address", address, "text", "hi", "--adapter", "sql"]) == 0
     assert seen[-1][1].adapter == "sql"
     assert main(["--address", address, "adapters", "unload", "sql"]) == 0
