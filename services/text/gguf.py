@@ -34,7 +34,7 @@ from gguf.quants import dequantize
 
 from genserve.services.text.config import LlamaConfig
 from genserve.services.text.gguf_file import GGUFFile, GGUFTensor
-from genserve.services.text.hf_weights import to_model_names
+from genserve.services.text.hf_weights import FUSED_PROJECTIONS, fused_rows, to_model_names
 from genserve.shared.blocks.backend import Backend
 
 SUFFIX = ".gguf"
@@ -99,6 +99,9 @@ GEMMA_LAYER_NAMES = LAYER_NAMES | {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+# The architectures whose layer tensors are named otherwise than LAYER_NAMES.
+ARCH_LAYER_NAMES = {"phi3": PHI3_LAYER_NAMES, "gpt-oss": GPT_OSS_LAYER_NAMES, "gemma2": GEMMA_LAYER_NAMES,
+                    "gemma3": GEMMA_LAYER_NAMES}
 
 
 def find_gguf(path: str | Path) -> Path | None:
@@ -153,8 +156,7 @@ def hf_name(name: str, arch: str = "llama") -> str:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; an unknown tensor is refused by name."""
     if name in GLOBAL_NAMES:
         return GLOBAL_NAMES[name]
-    layer_names = {"phi3": PHI3_LAYER_NAMES, "gpt-oss": GPT_OSS_LAYER_NAMES}.get(
-        arch, GEMMA_LAYER_NAMES if arch in GEMMA else LAYER_NAMES)
+    layer_names = ARCH_LAYER_NAMES.get(arch, LAYER_NAMES)
     parts = name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
@@ -243,6 +245,13 @@ class GGUFCheckpoint:
                 "short_factor": tuple(tensor_weight(factors["rope_factors_short.weight"], torch.float64).tolist()),
                 "original_max_position_embeddings": int(self._arch_value("rope.scaling.original_context_length"))}
 
+    def _experts(self, width: str) -> dict[str, Any]:
+        """A MoE file's experts: their count, how many a token uses, their width (metadata key ``width``); the
+        top-k weights renormalised, as llama.cpp's MoE graphs for these architectures do."""
+        return {"n_experts": int(self._arch_value("expert_count")),
+                "n_experts_per_token": int(self._arch_value("expert_used_count")),
+                "moe_hidden": int(self._arch_value(width)), "norm_topk_prob": True}
+
     def _family(self, config: LlamaConfig) -> dict[str, Any]:
         """What qwen3 and Gemma files set beyond the Llama fields (module docstring)."""
         arch = self.architecture
@@ -252,17 +261,13 @@ class GGUFCheckpoint:
             n = config.n_layers  # llama.cpp's swa pattern 2: the even layers slide
             return {"attention_sinks": True, "o_bias": True, "router_bias": True, "expert_bias": True,
                     "hidden_act": "swiglu_clamped", "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
-                    "n_experts": int(self._arch_value("expert_count")),
-                    "n_experts_per_token": int(self._arch_value("expert_used_count")),
-                    "moe_hidden": int(self._arch_value("expert_feed_forward_length")), "norm_topk_prob": True,
+                    **self._experts("expert_feed_forward_length"),
                     "layer_types": tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n))
                     if config.sliding_window else ()}
         if arch in ("qwen3moe", "llama") and f"{arch}.expert_count" in self.metadata:
-            # Mixtral's experts are feed_forward_length wide; both graphs renormalise the top-k weights.
+            # Mixtral's experts are feed_forward_length wide
             width = "expert_feed_forward_length" if arch == "qwen3moe" else "feed_forward_length"
-            return {"qk_norm": arch == "qwen3moe", "n_experts": int(self._arch_value("expert_count")),
-                    "n_experts_per_token": int(self._arch_value("expert_used_count")),
-                    "moe_hidden": int(self._arch_value(width)), "norm_topk_prob": True}
+            return {"qk_norm": arch == "qwen3moe", **self._experts(width)}
         if arch not in GEMMA:
             return {}
         out: dict[str, Any] = dict(
@@ -286,11 +291,9 @@ class GGUFCheckpoint:
         """The rows of ``tensor`` that make ``module``: its part of a fused Phi-3 projection, or llama.cpp's q/k
         permutation undone; None for a tensor taken whole, as stored."""
         kind = tensor.name.split(".")[-2]
-        if self.architecture == "phi3" and kind in ("attn_qkv", "ffn_up"):
-            q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
-            parts = {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv)} if kind == "attn_qkv" else \
-                {"gate_proj": (0, config.ffn_hidden), "up_proj": (config.ffn_hidden, config.ffn_hidden)}
-            start, size = parts[module.rsplit(".", 1)[-1]]
+        fused = hf_name(tensor.name, self.architecture).split(".")[-2] if self.architecture == "phi3" else ""
+        if fused in FUSED_PROJECTIONS:
+            start, size = fused_rows(fused, config)[module.rsplit(".", 1)[-1]]
             return torch.arange(start, start + size)
         heads = {"attn_q": config.n_heads, "attn_k": config.n_kv_heads}.get(kind)
         if heads is None or not ARCHITECTURES[self.architecture][1]:
@@ -306,19 +309,15 @@ class GGUFCheckpoint:
                 continue
             experts = expert_names(tensor.name, int(tensor.shape[-1]))
             if experts is not None:  # each expert its own layer over its slice (quant_linear)
-                experts = [e.removesuffix(".weight") for e in experts]
-                kept.update((e, tensor) for e in experts)
+                kept.update((e.removesuffix(".weight"), tensor) for e in experts)
                 continue
             name = hf_name(tensor.name, self.architecture).removesuffix(".weight")
+            prefix, _, module = name.rpartition(".")
             if name == "model.embed_tokens":  # a lookup table stays dense; a tied head keeps its blocks
                 if not any(t.name == "output.weight" for t in self.reader.tensors):
                     kept["lm_head"] = tensor
-            elif name.endswith(".qkv_proj"):  # Phi-3: each part its own rows (_row_order)
-                kept.update((f"{name.removesuffix('qkv_proj')}{part}", tensor) for part in ("q_proj", "k_proj",
-                                                                                          "v_proj"))
-            elif name.endswith(".gate_up_proj"):
-                kept.update((f"{name.removesuffix('gate_up_proj')}{part}", tensor) for part in ("gate_proj",
-                                                                                              "up_proj"))
+            elif module in FUSED_PROJECTIONS:  # Phi-3: each part its own rows (_row_order)
+                kept.update((f"{prefix}.{part}", tensor) for part in FUSED_PROJECTIONS[module])
             elif name != "model.norm" and not name.endswith(("layernorm", ".mlp.gate")):  # a router is read whole
                 kept[name] = tensor
         return kept

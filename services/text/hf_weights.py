@@ -19,6 +19,8 @@ import torch
 from genserve.services.text.config import LlamaConfig
 
 _MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# Phi-3's fused modules -> the projections they hold, in the order of their rows.
+FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -33,7 +35,8 @@ def to_model_names(state: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str
             name = name.replace(".block_sparse_moe.", ".mlp.")
             name = re.sub(r"\.experts\.(\d+)\.(w[123])\.",
                           lambda m: f".experts.{m.group(1)}.{_MIXTRAL_EXPERT[m.group(2)]}.", name)
-        elif cfg.architecture == "Phi3ForCausalLM" and name.endswith(("qkv_proj.weight", "gate_up_proj.weight")):
+        elif cfg.architecture == "Phi3ForCausalLM" and name.removesuffix(".weight").rsplit(".", 1)[-1] in \
+                FUSED_PROJECTIONS:
             out.update(_split_phi3(name, t, cfg))
             continue
         elif cfg.architecture == "GptOssForCausalLM":
@@ -47,16 +50,21 @@ def to_model_names(state: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str
     return out
 
 
-def _split_phi3(name: str, t: torch.Tensor, cfg: LlamaConfig) -> dict[str, torch.Tensor]:
-    prefix = name.rsplit(".", 2)[0]
-    if name.endswith("qkv_proj.weight"):
+def fused_rows(fused: str, cfg: LlamaConfig) -> dict[str, tuple[int, int]]:
+    """(first row, rows) of each projection in Phi-3's fused ``qkv_proj`` or ``gate_up_proj``, by the config."""
+    if fused == "qkv_proj":
         q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        if t.shape[0] != q + 2 * kv:
-            raise ValueError(f"{name}: {t.shape[0]} rows, expected {q + 2 * kv} (q, k, v heads of the config)")
-        wq, wk, wv = t.split((q, kv, kv))
-        return {f"{prefix}.q_proj.weight": wq, f"{prefix}.k_proj.weight": wk, f"{prefix}.v_proj.weight": wv}
-    gate, up = t.chunk(2)
-    return {f"{prefix}.gate_proj.weight": gate, f"{prefix}.up_proj.weight": up}
+        return {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv)}
+    return {"gate_proj": (0, cfg.ffn_hidden), "up_proj": (cfg.ffn_hidden, cfg.ffn_hidden)}
+
+
+def _split_phi3(name: str, t: torch.Tensor, cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+    prefix, fused, _ = name.rsplit(".", 2)
+    rows = fused_rows(fused, cfg)
+    expected = sum(size for _, size in rows.values())
+    if t.shape[0] != expected:
+        raise ValueError(f"{name}: {t.shape[0]} rows, expected {expected} ({', '.join(rows)} of the config)")
+    return {f"{prefix}.{part}.weight": t[start:start + size] for part, (start, size) in rows.items()}
 
 
 def _split_gpt_oss(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:

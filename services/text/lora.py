@@ -25,14 +25,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from genserve.services.text.engine.params import InvalidAdapter
+from genserve.services.text.hf_weights import FUSED_PROJECTIONS
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # The projections an adapter may target, by PEFT module name, and the sublayer holding each.
 TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-# Fused checkpoint modules (Phi-3) -> the projections they were split into, in the order of B's rows.
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
 # adapter_config.json options that change the math; served only at these values.
 _PLAIN = {"use_dora": False, "bias": "none", "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {},
@@ -77,9 +76,9 @@ def load_adapter(name: str, path: Path, projections: dict[Module, tuple[int, int
         m = _KEY.match(key)
         if m is None:
             raise InvalidAdapter(f"adapter {name!r}: tensor {key} adapts nothing served (LoRA A/B of a decoder "
-                                 f"layer's {', '.join(TARGETS)} or {', '.join(FUSED)} only)")
+                                 f"layer's {', '.join(TARGETS)} or {', '.join(FUSED_PROJECTIONS)} only)")
         layer, module, side = int(m[1]), m[3], m[4]
-        if module not in TARGETS and module not in FUSED:
+        if module not in TARGETS and module not in FUSED_PROJECTIONS:
             raise InvalidAdapter(f"adapter {name!r}: tensor {key} targets {module}, which is not served (targets: "
                                  f"{', '.join(TARGETS)})")
         pairs.setdefault((layer, module), {})[side] = (key, t)
@@ -105,7 +104,7 @@ def _rank_and_scale(name: str, config: dict, max_rank: int) -> tuple[int, float]
             raise InvalidAdapter(f"adapter {name!r}: adapter_config.json {key}={config[key]!r} is not served")
     targets = config.get("target_modules")
     if isinstance(targets, list):
-        unknown = [t for t in targets if t not in TARGETS and t not in FUSED]
+        unknown = [t for t in targets if t not in TARGETS and t not in FUSED_PROJECTIONS]
         if unknown:
             raise InvalidAdapter(f"adapter {name!r}: target_modules {unknown} are not served (targets: "
                                  f"{', '.join(TARGETS)})")
@@ -122,7 +121,7 @@ def _split(name: str, layer: int, module: str, sides: dict, projections: dict[Mo
     """(projection, B) for each projection the adapted module stands for: itself, or a fused module's parts, each
     with its rows of B (A is shared)."""
     b_key, b = sides["B"]
-    parts = FUSED.get(module, (module,))
+    parts = FUSED_PROJECTIONS.get(module, (module,))
     for part in parts:
         if (layer, part) not in projections:
             raise InvalidAdapter(f"adapter {name!r}: tensor {sides['A'][0]} adapts layer {layer}'s {part}, which the "

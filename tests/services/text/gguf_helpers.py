@@ -126,20 +126,16 @@ def write_gguf(path: Path, hf: torch.nn.Module, qtype: str = "F32", tokenizer: T
         for kind in ("long", "short"):
             writer.add_tensor(f"rope_factors_{kind}.weight", np.asarray(rope[f"{kind}_factor"], dtype=np.float32))
     writer.add_vocab_size(cfg.vocab_size)
-    if arch in ("qwen3", "qwen3moe", "gemma2", "gemma3"):
+    if arch in ("qwen3", "qwen3moe", "gpt-oss", "gemma2", "gemma3"):
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
-    if arch == "qwen3moe":
-        writer.add_expert_count(cfg.num_experts)
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
-        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    if cfg.model_type in ("mixtral", "gpt_oss"):
-        writer.add_expert_count(cfg.num_local_experts)
-        writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch in ("qwen3moe", "gpt-oss"):  # Mixtral's experts are feed_forward_length wide
+        writer.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
     if arch == "gpt-oss":
-        writer.add_key_length(cfg.head_dim)
-        writer.add_value_length(cfg.head_dim)
-        writer.add_expert_feed_forward_length(cfg.intermediate_size)
         writer.add_sliding_window(cfg.sliding_window)
         writer.add_rope_scaling_type(RopeScalingType.YARN)
         writer.add_rope_scaling_factor(float(rope["factor"]))

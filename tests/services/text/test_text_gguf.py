@@ -123,6 +123,20 @@ def test_qwen3_moe_experts_load_from_their_stacked_tensors(tmp_path, qtype):
         assert tokens == expected
 
 
+def _assert_like_hf(model, hf, ids: torch.Tensor, qtype: str) -> None:
+    """``model``, loaded from a GGUF file written from ``hf``, against ``hf`` itself: F32 logits within 1e-4 and the
+    same 24 greedy tokens through the engine; a quantized file's logits near, not equal."""
+    with torch.no_grad():
+        drift = (model(ids) - hf(ids).logits).abs().max().item()
+    assert drift <= LOGITS_ATOL if qtype == "F32" else 1e-3 < drift < 2.0
+    if qtype == "F32":
+        prompt = ids[0, :19].tolist()
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                               min_new_tokens=NEW_TOKENS)[0, len(prompt):].tolist()
+        engine = LLMEngine(model, byte_tokenizer(), EngineConfig(num_blocks=16))
+        assert engine.generate_batch([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0))[0][1] == expected
+
+
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
 def test_mixtral_is_a_llama_file_with_experts(tmp_path, qtype):
     """llama.cpp converts Mixtral as `llama` (q/k permuted) with `llama.expert_count` and stacked experts;
@@ -134,15 +148,7 @@ def test_mixtral_is_a_llama_file_with_experts(tmp_path, qtype):
     model = load_model(path, keep_quantized=True)
     assert model.config.architecture == "MixtralForCausalLM" and model.config.n_experts == 4
     assert _quant_layers(model) == ((4 + 4 * 3) * model.config.n_layers + 1 if qtype != "F32" else 0)
-    with torch.no_grad():
-        drift = (model(ids) - hf(ids).logits).abs().max().item()
-    assert drift <= LOGITS_ATOL if qtype == "F32" else 1e-3 < drift < 2.0
-    if qtype == "F32":
-        prompt = ids[0, :19].tolist()
-        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                               min_new_tokens=NEW_TOKENS)[0, len(prompt):].tolist()
-        engine = LLMEngine(model, byte_tokenizer(), EngineConfig(num_blocks=16))
-        assert engine.generate_batch([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0))[0][1] == expected
+    _assert_like_hf(model, hf, ids, qtype)
 
 
 GPT_OSS = dict(num_hidden_layers=4, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
@@ -167,15 +173,7 @@ def test_gpt_oss_loads_with_biases_sinks_windows_and_mxfp4_experts(tmp_path, qty
     kept = {"F32": 0, "Q8_0": (4 + 4 * 3) * cfg.n_layers + 1, "MXFP4": 4 * cfg.n_layers + 1}
     assert _quant_layers(model) == kept[qtype]
     ids = torch.randint(0, VOCAB, (2, 100), generator=torch.Generator().manual_seed(3))  # past the original 64
-    with torch.no_grad():
-        drift = (model(ids) - hf(ids).logits).abs().max().item()
-    assert drift <= LOGITS_ATOL if qtype == "F32" else 1e-3 < drift < 2.0
-    if qtype == "F32":
-        prompt = ids[0, :19].tolist()
-        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                               min_new_tokens=NEW_TOKENS)[0, len(prompt):].tolist()
-        engine = LLMEngine(model, byte_tokenizer(), EngineConfig(num_blocks=16))
-        assert engine.generate_batch([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0))[0][1] == expected
+    _assert_like_hf(model, hf, ids, qtype)
 
 
 def test_unpermute_inverts_llama_cpp_permutation():
