@@ -229,6 +229,7 @@ HEADER = "# Written by `python -m genserve.services.common.deploy_config` ({what
 TEXT_ARGS_COMMENTS = (
     '# Exact speculative decoding, off unless given (docs/models.md, "Speculative decoding"):',
     "# speculative: {method: ngram, num_tokens: 4, ngram_min: 2, ngram_max: 4, max_batch: 8}",
+    "# (or {method: draft, draft_model_dir: PATH, num_tokens: 4}: a smaller model with the same tokenizer drafts)",
     '# LoRA adapters, off unless given (docs/deploy.md, "LoRA adapters"): PEFT folders under `root` only, loaded',
     "# at start from `adapters` ({name: folder}) and at run time with an admin key (POST /v1/load_lora_adapter):",
     "# lora: {root: /models/lora, max_loras: 4, max_cpu_loras: 8, max_lora_rank: 16, adapters: {}}",

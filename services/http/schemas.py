@@ -122,6 +122,7 @@ class Sampling(Body):
     seed: int | None = bounds(TextIn, "seed")
     presence_penalty: float | None = bounds(TextIn, "presence_penalty")
     frequency_penalty: float | None = bounds(TextIn, "frequency_penalty")
+    speculative: bool | None = None  # genserve's extra (extra_body): false, never drafted for
     user: str | None = None
     response_format: ResponseFormat | None = None
     stream: bool = False

@@ -61,7 +61,7 @@ def _sampling(body: Sampling, max_tokens: int | None, logprobs: int | None) -> d
     fields = {
         "max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
         "stop": stop, "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
-        "logprobs": logprobs, "json_schema": _json_schema(body),
+        "logprobs": logprobs, "json_schema": _json_schema(body), "speculative": body.speculative,
     }
     return {k: v for k, v in fields.items() if v is not None}
 

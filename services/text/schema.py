@@ -191,6 +191,7 @@ class TextIn(Request):
     enable_thinking: bool | None = None
     reasoning_effort: str = ""
     adapter: str = ""  # a loaded LoRA adapter's name; "": the base model
+    speculative: bool = True  # False: never drafted for (engine/speculative.py); the output is the same
 
     @field_validator("adapter")
     @classmethod
@@ -291,7 +292,7 @@ class TextIn(Request):
             min_p=self.min_p, repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=resolve_seed(self.seed), stop=tuple(self.stop),
             logprobs=self.logprobs, json_schema=self.json_schema, regex=self.regex, grammar=grammar,
-            adapter=self.adapter,
+            adapter=self.adapter, speculative=self.speculative,
         )
 
 

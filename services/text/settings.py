@@ -22,22 +22,30 @@ class SpeculativeArgs(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    method: Literal["ngram"] = "ngram"  # prompt lookup (Saxena 2023): drafts from the prompt and output so far
+    # ngram: prompt lookup (Saxena 2023), drafts from the prompt and output so far; draft: a smaller model's drafts
+    method: Literal["ngram", "draft"] = "ngram"
     num_tokens: int = Field(SpeculativeConfig.num_tokens, ge=1, le=16)  # drafted tokens per step
     ngram_min: int = Field(SpeculativeConfig.ngram_min, ge=1, le=64)
     ngram_max: int = Field(SpeculativeConfig.ngram_max, ge=1, le=64)
     # speculation switches off in a step where more sequences than this decode
     max_batch: int = Field(SpeculativeConfig.max_batch, ge=1, le=4096)
+    # method draft: the draft model, a HF folder or GGUF file with the target's tokenizer, loaded like the target
+    draft_model_dir: str | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
-    def _ngram_range(self) -> SpeculativeArgs:
+    def _consistent(self) -> SpeculativeArgs:
         if self.ngram_min > self.ngram_max:
             raise ValueError("ngram_min: must be <= ngram_max")
+        if self.method == "draft" and self.draft_model_dir is None:
+            raise ValueError("draft_model_dir: method draft needs the draft model's folder or GGUF file")
+        if self.method != "draft" and self.draft_model_dir is not None:
+            raise ValueError("draft_model_dir: given only with method draft")
         return self
 
     def config(self) -> SpeculativeConfig:
         return SpeculativeConfig(method=self.method, num_tokens=self.num_tokens, ngram_min=self.ngram_min,
-                                 ngram_max=self.ngram_max, max_batch=self.max_batch)
+                                 ngram_max=self.ngram_max, max_batch=self.max_batch,
+                                 draft_model_dir=self.draft_model_dir or "")
 
 
 class LoraArgs(BaseModel):

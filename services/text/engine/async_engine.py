@@ -105,6 +105,7 @@ class AsyncLLMEngine:
               stall_s: float) -> AsyncLLMEngine:
         from genserve.services.common.device import serving_device
         from genserve.services.text.loader import load_model, open_gguf
+        from genserve.services.text.model import LlamaForCausalLM
         from genserve.services.text.tokenizer import TextTokenizer
         from genserve.shared.blocks.quant_linear import QuantLinear
 
@@ -114,16 +115,29 @@ class AsyncLLMEngine:
         keep_quantized = dtype == "auto"
         if dtype == "auto":
             dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
-        gguf = open_gguf(root)  # opened once: parsing a GGUF's metadata takes seconds for a 49k vocabulary
-        if gguf is None:
-            model = load_model(root, dtype, device=device)
-            tokenizer = TextTokenizer.from_dir(root, model.config.eos_token_ids)
-            return cls(LLMEngine(model, tokenizer, config, model_name=root.name), str(root), stall_s=stall_s)
-        model = load_model(gguf, dtype, device=device, keep_quantized=keep_quantized)
-        tokenizer = TextTokenizer.from_gguf(gguf, model.config.eos_token_ids)
-        quantized = any(isinstance(m, QuantLinear) for m in model.modules())
-        return cls(LLMEngine(model, tokenizer, config, model_name=gguf.path.stem), str(gguf.path),
-                   gguf.file_type if quantized else "", stall_s=stall_s)
+
+        def load(source: Path) -> tuple[LlamaForCausalLM, TextTokenizer, str, str]:
+            """The model, its tokenizer, the path it came from and its GGUF weight type ("" if dequantised)."""
+            gguf = open_gguf(source)  # opened once: parsing a GGUF's metadata takes seconds for a 49k vocabulary
+            if gguf is None:
+                model = load_model(source, dtype, device=device)
+                return model, TextTokenizer.from_dir(source, model.config.eos_token_ids), str(source), ""
+            model = load_model(gguf, dtype, device=device, keep_quantized=keep_quantized)
+            quantized = any(isinstance(m, QuantLinear) for m in model.modules())
+            return (model, TextTokenizer.from_gguf(gguf, model.config.eos_token_ids), str(gguf.path),
+                    gguf.file_type if quantized else "")
+
+        model, tokenizer, source, quantization = load(root)
+        draft = None
+        spec = config.speculative if config is not None else None
+        if spec is not None and spec.method == "draft":
+            draft, draft_tokenizer, draft_source, _ = load(Path(spec.draft_model_dir).resolve())
+            if draft_tokenizer.backend.get_vocab() != tokenizer.backend.get_vocab():
+                raise ValueError(f"speculative.draft_model_dir: {draft_source} has another tokenizer than "
+                                 f"{source}; a draft model must share the target's vocabulary")
+        name = Path(source).stem if Path(source).is_file() else Path(source).name
+        return cls(LLMEngine(model, tokenizer, config, model_name=name, draft_model=draft), source, quantization,
+                   stall_s=stall_s)
 
     @property
     def max_context(self) -> int:

@@ -9,8 +9,11 @@ from genserve.services.text.engine.scheduler import ScheduledChunk
 from genserve.shared.blocks.paged import GroupTables, PagedBatch, PrefillChunk
 
 
-def build_batch(chunks: list[ScheduledChunk], blocks: BlockManager) -> tuple[PagedBatch, list[ScheduledChunk]]:
+def build_batch(chunks: list[ScheduledChunk], blocks: BlockManager, *, first_group_only: bool = False
+                ) -> tuple[PagedBatch, list[ScheduledChunk]]:
     """The batch for ``chunks`` and the chunks reordered to match it (decode tokens first, then prefills).
+    ``first_group_only``: every layer reads KV group 0's slots and tables (the draft model's batch, engine/draft.py,
+    whose one cache is indexed by the target's group-0 blocks).
 
     A chunk with a speculative draft of k tokens (the verify pass, engine/speculative.py) becomes k + 1 decode rows
     of its sequence, its newest token and each draft at the following positions, sharing its block table, row j
@@ -36,7 +39,7 @@ def build_batch(chunks: list[ScheduledChunk], blocks: BlockManager) -> tuple[Pag
         positions.extend(range(c.start, c.start + n))
     # Every KV group's slots and tables (one group without a hybrid cache: kv_cache.py), all the same width.
     groups = [_group_tables(ordered, blocks, [blocks.group_tables[c.seq.request_id][g] for c in ordered])
-              for g in range(len(blocks.windows))]
+              for g in range(1 if first_group_only else len(blocks.windows))]
     slots, decode_tables, chunk_tables = groups[0]
     chunks_out = []
     offset = len(decode_lens)
@@ -53,7 +56,7 @@ def build_batch(chunks: list[ScheduledChunk], blocks: BlockManager) -> tuple[Pag
         prefills=tuple(chunks_out),
         logits_index=torch.tensor(logits_index, dtype=torch.long),
         groups=tuple(GroupTables(torch.tensor(s, dtype=torch.long), t, c) for s, t, c in groups[1:]),
-        layer_groups=blocks.layer_groups,
+        layer_groups=() if first_group_only else blocks.layer_groups,
     )
     return batch, ordered
 

@@ -23,6 +23,7 @@ import torch
 from genserve.services.text.engine.adapters import AdapterRegistry, LoraConfig
 from genserve.services.text.engine.batch import build_batch
 from genserve.services.text.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from genserve.services.text.engine.draft import DraftProposer
 from genserve.services.text.engine.grammar import Grammar, GrammarCompiler
 from genserve.services.text.engine.kv_cache import BlockManager, KVGroup, block_bytes, blocks_held, kv_groups
 from genserve.services.text.engine.params import (
@@ -63,7 +64,7 @@ class EngineConfig:
     # Hybrid allocation (kv_cache.py): sliding-window layers keep only their window's blocks, in block tables of
     # their own; False: one table for every layer, each holding the whole context.
     hybrid_kv_cache: bool = True
-    # Exact speculative decoding with n-gram drafts (engine/speculative.py); None: off.
+    # Exact speculative decoding with n-gram or draft-model drafts (engine/speculative.py); None: off.
     speculative: SpeculativeConfig | None = None
     # Jump-forward for grammar-constrained requests: up to this many tokens of the text the grammar forces next are
     # drafted and verified like speculative drafts (LLMEngine._propose); 0: off.
@@ -93,11 +94,18 @@ class EngineCounters:
 
 class LLMEngine:
     def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig | None = None,
-                 model_name: str = "model", runner: ModelRunner | None = None):
+                 model_name: str = "model", runner: ModelRunner | None = None,
+                 draft_model: torch.nn.Module | None = None):
+        """``draft_model``: the drafting model of ``speculative.method == "draft"`` (engine/draft.py), loaded from
+        ``speculative.draft_model_dir`` by the caller (AsyncLLMEngine.from_dir checks that its tokenizer is the
+        target's)."""
         self.config = config = config or EngineConfig()
-        if runner is None:
-            from genserve.services.text.runners import make_runner
+        spec = config.speculative
+        if (spec is not None and spec.method == "draft") != (draft_model is not None):
+            raise ValueError("a draft model is given exactly when speculative.method is 'draft'")
+        from genserve.services.text.runners import make_runner
 
+        if runner is None:
             runner = make_runner(model, max_lookahead=config.max_lookahead, max_running=config.max_running,
                                  cuda_graphs=config.cuda_graphs, lora=config.lora)
         self.runner = runner
@@ -130,6 +138,13 @@ class LLMEngine:
             {"kind": "sliding_attention" if w else "full_attention", "window": w, "n_layers": windows.count(w),
              "kv_bytes_per_token": windows.count(w) * per_layer} for w in sorted(set(windows))]
         self.kv_tokens_fit = self.blocks.capacity_tokens(num_blocks * config.block_size)
+        self.drafter: DraftProposer | None = None
+        if draft_model is not None:
+            # Multi-step greedy calls as long as a draft, where the runner has them (the CPU's fused step).
+            self.drafter = DraftProposer(make_runner(draft_model, max_lookahead=max(config.max_lookahead,
+                                                                                    spec.num_tokens + 1),
+                                                     max_running=config.max_running, cuda_graphs=config.cuda_graphs),
+                                         self.blocks, mc.vocab_size)
         self.scheduler = Scheduler(self.blocks, SchedulerConfig(
             config.max_batched_tokens, config.max_running, config.max_waiting,
             config.lora.max_loras if config.lora is not None else 0))
@@ -360,39 +375,56 @@ class LLMEngine:
         * a grammar-constrained request, the tokens its grammar forces next (jump-forward; up to
           ``max_jump_forward``), which the model nearly always accepts: a tool call's keys and punctuation cost no
           steps of their own;
-        * otherwise, with speculation on, an n-gram draft (Saxena 2023) of up to ``num_tokens`` tokens, cut to the
-          prefix the request's grammar allows; none when more than ``max_batch`` sequences decode this step, and
-          none while the sequence backs off after rejected drafts (``_verify_step``).
+        * otherwise, with speculation on, an n-gram draft (Saxena 2023) or the draft model's (engine/draft.py, one
+          pass for every such sequence) of up to ``num_tokens`` tokens, cut to the prefix the request's grammar
+          allows; none when more than ``max_batch`` sequences decode this step, none for a request that opted out,
+          and none while the sequence backs off after rejected drafts (``_verify_step``).
         A draft never reaches past ``max_tokens`` or the context, nor the step's token budget, nor, in a decode-only
         step, the rows the runner's fast path takes (``runner.draft_rows``: the CPU's fused step takes 16), and is
         dropped when the free blocks run short."""
         spec = self.config.speculative
-        ngram = spec is not None and sum(1 for c in chunks if c.sample and c.length == 1) <= spec.max_batch
+        speculate = spec is not None and sum(1 for c in chunks if c.sample and c.length == 1) <= spec.max_batch
         budget = self.config.max_batched_tokens - sum(c.length for c in chunks)
         if all(c.length == 1 for c in chunks):  # a decode-only step: keep it on the runner's fast path
             budget = min(budget, self.runner.draft_rows(len(chunks)))
-        out = []
-        for c in chunks:
+        drafts: dict[int, tuple[list[int], bool]] = {}  # chunk index -> (draft, forced)
+        wanted: dict[int, list[int]] = {}  # draft length -> the chunks the draft model drafts for, blocks reserved
+        for i, c in enumerate(chunks):
             seq = c.seq
             if c.length != 1 or not c.sample:
-                out.append(c)
                 continue
             room = min(budget, seq.params.max_tokens - len(seq.output_ids) - 1, self.max_context - seq.num_tokens - 1)
             draft = seq.grammar.forced_tokens(min(room, self.config.max_jump_forward)) if seq.grammar else []
             forced = bool(draft)
-            if not forced and ngram and seq.spec_skip == 0 and room > 0:
-                draft = propose_ngram(seq.tokens, min(spec.num_tokens, room), spec.ngram_min, spec.ngram_max)
+            if not forced and speculate and seq.params.speculative and seq.spec_skip == 0 and room > 0:
+                k = min(spec.num_tokens, room)
+                if self.drafter is not None:
+                    # The draft model writes K/V up to its k-th draft: the blocks are reserved before it runs.
+                    if self.blocks.can_grow(seq.request_id, seq.num_tokens + k):
+                        self.blocks.grow(seq.request_id, seq.num_tokens + k)
+                        wanted.setdefault(k, []).append(i)
+                        budget -= k
+                    continue
+                draft = propose_ngram(seq.tokens, k, spec.ngram_min, spec.ngram_max)
                 if seq.grammar is not None:
                     draft = seq.grammar.allowed_prefix(draft)
             elif not forced:
                 seq.spec_skip = max(0, seq.spec_skip - 1)
-            if not draft or not self.blocks.can_grow(seq.request_id, seq.num_tokens + len(draft)):
-                out.append(c)
-                continue
-            self.blocks.grow(seq.request_id, seq.num_tokens + len(draft))
-            budget -= len(draft)
-            out.append(ScheduledChunk(seq, c.start, 1, tuple(draft), forced))
-        return out
+            if draft and self.blocks.can_grow(seq.request_id, seq.num_tokens + len(draft)):
+                self.blocks.grow(seq.request_id, seq.num_tokens + len(draft))
+                budget -= len(draft)
+                drafts[i] = (draft, forced)
+        for k, indices in wanted.items():  # one draft pass per draft length: one in all but the last steps
+            for i, draft in zip(indices, self.drafter.propose([chunks[i].seq for i in indices], k), strict=True):
+                seq = chunks[i].seq
+                draft = seq.grammar.allowed_prefix(draft) if seq.grammar is not None else draft
+                if draft:
+                    drafts[i] = (draft, False)
+                else:  # the reserved blocks go back, and the drafts' K/V with them
+                    self.blocks.truncate(seq.request_id, seq.num_tokens)
+                    seq.draft_computed = seq.num_tokens
+        return [ScheduledChunk(c.seq, c.start, 1, tuple(drafts[i][0]), drafts[i][1]) if i in drafts else c
+                for i, c in enumerate(chunks)]
 
     def _verify_step(self, batch: PagedBatch, chunks: list[ScheduledChunk], lora: torch.Tensor | None) -> int:
         """One step with speculative drafts: score every sampled position (``runner.execute_logits``: a draft chunk
@@ -443,6 +475,7 @@ class LLMEngine:
                         self.spec_accepted[j] += j < verdict.accepted
                 # K/V stays valid for the newest token and the accepted drafts; the rejected slots' blocks go back.
                 seq.num_computed = c.start + 1 + verdict.accepted
+                seq.draft_computed = min(seq.draft_computed, seq.num_computed)
                 self.blocks.truncate(seq.request_id, seq.num_computed)
                 for j, token in enumerate(verdict.tokens):
                     logprob = verdict.logprobs[j] if verdict.logprobs is not None else None

@@ -59,7 +59,8 @@ class SamplingParams:
     filters; penalties follow the CTRL paper (repetition) and the OpenAI API (presence/frequency). ``json_schema``
     or ``regex`` or ``grammar`` (EBNF; at most one of the three) constrains the output to a grammar
     (engine/grammar.py). ``adapter``: the name of a loaded LoRA adapter to run the request with ("" for the base
-    model; services/text/engine/adapters.py)."""
+    model; services/text/engine/adapters.py). ``speculative=False``: the request is never drafted for, where the
+    engine speculates (engine/speculative.py); its output is the same either way, only its speed differs."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -76,6 +77,7 @@ class SamplingParams:
     regex: str = ""
     grammar: str = ""
     adapter: str = ""
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -105,6 +107,7 @@ class SamplingParams:
         _check(isinstance(self.grammar, str) and not (self.grammar and (self.json_schema or self.regex)), "grammar",
                "must be a string, and not given with json_schema or regex")
         _check(isinstance(self.adapter, str), "adapter", "must be a string (a loaded adapter's name, or empty)")
+        _check(isinstance(self.speculative, bool), "speculative", "must be a boolean")
 
     @property
     def structured(self) -> bool:

@@ -84,7 +84,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq.request_id)
-        seq.num_computed = 0
+        seq.num_computed = seq.draft_computed = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 

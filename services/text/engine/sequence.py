@@ -33,6 +33,9 @@ class Sequence:
     # left to run without a draft.
     spec_misses: int = 0
     spec_skip: int = 0
+    # Tokens whose K/V the draft model holds (engine/draft.py); never more than num_computed after a verify pass, and
+    # 0 again when preemption frees the blocks.
+    draft_computed: int = 0
     adapter: LoraAdapter | None = None  # the LoRA adapter it runs with, held until it finishes
     lora_slot: int = -1  # the runner's slot holding that adapter this step (engine._place_adapters)
 

@@ -1,4 +1,4 @@
-"""Exact speculative decoding with n-gram (prompt lookup) drafts, and jump-forward drafts for grammars.
+"""Exact speculative decoding with n-gram (prompt lookup) or draft-model drafts, and jump-forward drafts for grammars.
 
 A proposer drafts up to k tokens for a running sequence; the engine scores the sequence's newest token and the k
 drafts in one forward pass as k + 1 decode rows sharing the sequence's block table, row j with context length
@@ -12,6 +12,8 @@ bound by the weight stream.
   - n-gram (Saxena 2023, "Prompt Lookup Decoding"; vLLM's ``ngram`` proposer, llama.cpp's ``lookup``): find the
     latest earlier occurrence of the sequence's last n tokens (n from ``ngram_max`` down to ``ngram_min``) in the
     prompt and the output so far, and propose the tokens that followed it. No extra weights.
+  - a draft model (Leviathan et al. 2023; vLLM's ``draft_model``): a smaller model with the same tokenizer drafts
+    its k greedy tokens, with its own paged KV cache (engine/draft.py).
   - jump-forward (SGLang, Zheng et al. 2024, "SGLang: Efficient Execution of Structured Language Model
     Programs"): for a grammar-constrained request, the tokens spelling the text its grammar forces next (a JSON
     key, the punctuation between values); engine/grammar.py ``Grammar.forced_tokens``. Unlike SGLang, the forced
@@ -20,9 +22,10 @@ bound by the weight stream.
 * Acceptance (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding", Algorithm 1;
   Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative Sampling", Algorithm 2): accept a
   draft x with probability min(1, p(x) / q(x)); at the first rejection, emit a token drawn from
-  norm(max(0, p - q)); when all k drafts are accepted, emit a bonus token drawn from p at position k + 1. Both
-  proposers' drafts are point masses, q = δ_x, so x is accepted with probability p(x) and the residual is p with x
-  removed, renormalised: the emitted token at each position then has exactly the distribution p, since
+  norm(max(0, p - q)); when all k drafts are accepted, emit a bonus token drawn from p at position k + 1. Every
+  proposer's drafts are point masses, q = δ_x (the draft model's too: its greedy drafts are a deterministic function
+  of the context), so x is accepted with probability p(x) and the residual is p with x removed, renormalised: the
+  emitted token at each position then has exactly the distribution p, since
   P(x) = p(x)·[x = d] + (1 - p(d))·p(x)[x ≠ d] / (1 - p(d)) = p(x). ``kept_draws`` realises this rule by drawing
   each position's token from p and keeping the draft when the draw equals it, one uniform per emitted token.
 * p is the target distribution after every sampling option the request asks for (sampler.py's order: the grammar
@@ -53,25 +56,31 @@ MAX_BACKOFF = 16
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """How the engine speculates: the proposer, how many tokens it drafts per step, the n-gram lengths it matches,
-    and the batch size (decoding sequences in one step) above which speculation switches off, since a large batch
-    is bound by compute, not by the weight stream, and pays for every rejected draft."""
+    """How the engine speculates: the proposer, how many tokens it drafts per step, the n-gram lengths it matches
+    (``ngram``), the draft model's checkpoint (``draft``: a HF folder or GGUF file with the target's tokenizer), and
+    the batch size (decoding sequences in one step) above which speculation switches off, since a large batch is
+    bound by compute, not by the weight stream, and pays for every rejected draft."""
 
-    method: Literal["ngram"] = "ngram"
+    method: Literal["ngram", "draft"] = "ngram"
     num_tokens: int = 4
     # 2: a one-token match drafts in open-ended text too, where nearly every draft is rejected (docs/benchmarks.md)
     ngram_min: int = 2
     ngram_max: int = 4
     max_batch: int = 8
+    draft_model_dir: str = ""
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
-            raise ValueError(f"method must be 'ngram', got {self.method!r}")
+        if self.method not in ("ngram", "draft"):
+            raise ValueError(f"method must be 'ngram' or 'draft', got {self.method!r}")
         for name in ("num_tokens", "ngram_min", "ngram_max", "max_batch"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+        if self.method == "draft" and not self.draft_model_dir:
+            raise ValueError("method 'draft' needs draft_model_dir, the draft model's folder or GGUF file")
+        if self.method != "draft" and self.draft_model_dir:
+            raise ValueError("draft_model_dir is only read with method 'draft'")
 
 
 def propose_ngram(tokens: list[int], k: int, ngram_min: int, ngram_max: int) -> list[int]:

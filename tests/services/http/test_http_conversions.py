@@ -225,3 +225,17 @@ def test_batches_hand_over_what_arrived_while_the_writer_was_busy_and_never_wait
 
     assert asyncio.run(collect()) == [[1], [2, 3, 4], [5]]
     assert asyncio.run(collect(fail=True)) == [[1], [2, 3, 4], [5], "boom"]
+
+
+def test_the_speculative_opt_out_reaches_the_sampling_params() -> None:
+    """genserve's `speculative: false` (extra_body) -> TextRequest.speculative -> SamplingParams.speculative; unset, the
+    request may be drafted for."""
+    from genserve.services.common.validation import parse
+    from genserve.services.text.schema import TextIn
+
+    off, default = text.chat_job(chat(speculative=False)).requests[0], text.chat_job(chat()).requests[0]
+    assert off.HasField("speculative") and not off.speculative and not default.HasField("speculative")
+    assert parse(TextIn, off).sampling_params(64).speculative is False
+    assert parse(TextIn, default).sampling_params(64).speculative is True
+    with pytest.raises(ValidationError, match="speculative"):
+        chat(speculative="sometimes")

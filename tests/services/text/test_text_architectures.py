@@ -164,7 +164,8 @@ def test_greedy_generation_matches_transformers_alone_and_in_a_batch(checkpoint,
     assert byte_tokenizer().encode(text) == prompt
     args = argparse.Namespace(prompt=text, model_dir=str(directory), chat=False, max_tokens=NEW_TOKENS,
                               temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=[], dtype="float32", json=True,
-                              lora=None, max_lora_rank=64)
+                              lora=None, max_lora_rank=64, speculative=None, num_speculative_tokens=4,
+                              draft_model_dir=None)
     assert generate.run(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["token_ids"] == expected and out["finish_reason"] == "length"

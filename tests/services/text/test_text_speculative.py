@@ -334,8 +334,13 @@ def test_serve_config_option_reaches_the_engine_and_is_off_by_default():
     assert TextArgs(speculative={"num_tokens": 6}).engine_config().speculative.num_tokens == 6
     with pytest.raises(ValidationError, match="ngram_min"):
         TextArgs(speculative={"ngram_min": 5, "ngram_max": 2})
-    with pytest.raises(ValidationError):
+    with pytest.raises(ValidationError, match="draft_model_dir"):
         TextArgs(speculative={"method": "draft"})
+    with pytest.raises(ValidationError, match="draft_model_dir"):
+        TextArgs(speculative={"draft_model_dir": "/models/small"})
+    drafted = TextArgs(speculative={"method": "draft", "draft_model_dir": "/models/small", "num_tokens": 3})
+    assert drafted.engine_config().speculative == SpeculativeConfig(method="draft", num_tokens=3,
+                                                                    draft_model_dir="/models/small")
 
 
 def test_triton_backend_verifies_drafts_with_the_same_greedy_tokens(model, tmp_path):
