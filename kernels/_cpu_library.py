@@ -52,6 +52,8 @@ _SIGNATURES = {
     "decode_step_f32": [_PTR, _I64] + [_PTR] * 5 + [_F32, _PTR, _INT, _PTR, _I64, _PTR, _INT],
     # the same, then n_steps and the (M, n_steps) int64 tokens before threads
     "decode_steps_f32": [_PTR, _I64] + [_PTR] * 5 + [_F32, _PTR, _INT, _PTR, _I64, _PTR, _I64, _PTR, _INT],
+    # q, k, v, o, batch, heads, kv heads, tq, tk, d, the (B, H, T) strides of q, k, v and o, scale, threads
+    "attention_f32": [_PTR] * 4 + [_I64] * 6 + [_PTR] * 4 + [_F32, _INT],
     # x, gamma, beta, y, b, c, hw, groups, eps, channels_last, silu
     "group_norm_f32": [_PTR] * 4 + [_I64] * 4 + [_F32] + [_INT] * 2,
     # block weights, block inputs, the address of a BLAS sgemm_

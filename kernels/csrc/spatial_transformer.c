@@ -106,11 +106,10 @@ static void attend(sgemm_fn gemm, const float *q, int64_t ldq, const float *k, i
     const float zero = 0.f, one = 1.f;
     gemm("T", "N", &nk_, &nq_, &d_, &scale, k, &ldk_, q, &ldq_, &zero, s, &nk_);  /* s = scale q k^T, (nq, nk) */
     for (int64_t i = 0; i < nq; i++) {
-        float *row = s + i * nk, mx = row[0], sum = 0.f;
+        float *row = s + i * nk, mx = row[0];
+#pragma omp simd reduction(max : mx)
         for (int64_t j = 1; j < nk; j++) mx = row[j] > mx ? row[j] : mx;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < nk; j++) sum += row[j] = exp_poly(row[j] - mx);
-        const float inv = 1.f / sum;
+        const float inv = 1.f / exp_shifted_sum(row, nk, mx);
 #pragma omp simd
         for (int64_t j = 0; j < nk; j++) row[j] *= inv;
     }

@@ -176,6 +176,11 @@ class TorchBackend(ReferenceBackend):
                                   sinks=sinks)
         nq, nk = q.shape[2], k.shape[2]
         gqa = q.shape[1] != k.shape[1]
+        if not causal and not window and q.device.type == "cpu":
+            from genserve.kernels import cpu_attention
+
+            if cpu_attention.supports(q, k, v):  # small heads, e.g. a DiT's: per-score costs dominate SDPA's
+                return cpu_attention.attention(q, k, v, sm_scale=sm_scale)
         if window and window < nk:
             mask = _keep_mask(q, k, causal, window)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=sm_scale, enable_gqa=gqa)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from genserve.kernels import cpu_gemv, cpu_group_norm, cpu_paged_decode
+from genserve.kernels import cpu_attention, cpu_gemv, cpu_group_norm, cpu_paged_decode
 from genserve.shared.blocks.backend import ReferenceBackend, TorchBackend
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
@@ -89,3 +89,52 @@ def test_group_norm_refuses_groups_that_do_not_divide_the_channels():
         cpu_group_norm.group_norm(torch.randn(1, 6, 2, 2), 4, None, None, 1e-5)
     assert not cpu_group_norm.supports(torch.randn(1, 6, 2, 2).transpose(2, 3))  # neither layout
     assert not cpu_group_norm.supports(torch.randn(1, 6, 2, 2, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("batch, heads, kv_heads, tq, tk, d", [
+    (2, 4, 4, 70, 70, 16),  # a DiT's joint attention, tails of both tiles
+    (1, 6, 2, 13, 29, 8),  # GQA
+    (1, 2, 2, 37, 5, 32),
+    (2, 3, 1, 9, 17, 24),
+    (1, 2, 2, 1, 1, 32),
+])
+def test_attention_matches_sdpa_on_strided_inputs(batch, heads, kv_heads, tq, tk, d):
+    gen = torch.Generator().manual_seed(tq * 7 + tk)
+    # (B, T, H, D) storage seen as (B, H, T, D), as a projection's output is; k contiguous
+    q = _randn(batch, tq, heads, d, gen=gen).transpose(1, 2)
+    k = _randn(batch, kv_heads, tk, d, gen=gen)
+    v = _randn(batch, tk, kv_heads, d, gen=gen).transpose(1, 2)
+    assert cpu_attention.supports(q, k, v)
+    out = cpu_attention.attention(q, k, v, sm_scale=0.3)
+    ref = F.scaled_dot_product_attention(q, k, v, scale=0.3, enable_gqa=heads != kv_heads)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    assert out.transpose(1, 2).is_contiguous()  # (B, T, H, D): the output projection's rows without a copy
+
+
+def test_attention_is_for_fp32_head_sizes_it_vectorises_without_autograd():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (_randn(1, 2, 8, 16, gen=gen) for _ in range(3))
+    assert cpu_attention.supports(q, k, v)
+    odd = _randn(1, 2, 8, 12, gen=gen)
+    wide = _randn(1, 2, 8, 64, gen=gen)
+    assert not cpu_attention.supports(odd, odd, odd) and not cpu_attention.supports(wide, wide, wide)
+    assert not cpu_attention.supports(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert not cpu_attention.supports(q.requires_grad_(), k, v)
+
+
+def test_torch_backend_routes_bidirectional_cpu_attention_to_the_kernel(monkeypatch):
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (_randn(2, 4, 40, 16, gen=gen) for _ in range(3))
+    calls = []
+    kernel = cpu_attention.attention
+    monkeypatch.setattr(cpu_attention, "attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    backend = TorchBackend()
+    with torch.no_grad():
+        out = backend.attend(q, k, v, causal=False, sm_scale=0.25)
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, scale=0.25), atol=2e-6, rtol=1e-5)
+        assert calls == [1]
+        backend.attend(q, k, v, causal=True)  # masks stay with SDPA
+        backend.attend(q, k, v, causal=True, window=8)
+        wide = _randn(2, 4, 40, 64, gen=gen)
+        backend.attend(wide, wide, wide, causal=False)  # heads past 32: SDPA is faster
+    assert calls == [1]
