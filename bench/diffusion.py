@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from genserve.services.common.gc_freeze import freeze_loaded_objects
 from genserve.services.diffusion.model import LatentDiffusion, default_config, load_diffusion
 from genserve.services.diffusion.pipeline import DiffusionPipeline
 
@@ -206,6 +207,7 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def main_dit(args: argparse.Namespace) -> None:
     ours, theirs, pipe = dit_sides(args.dit, args.steps, args.guidance_scale, args.size, args.cache)
+    freeze_loaded_objects()  # as a replica does after start-up; both sides share the process and gain alike
     first_ours, first_theirs = ours(0), theirs(0)
     ours_times, theirs_times = time_interleaved(ours, theirs, args.repeats)
     params = sum(p.numel() for p in pipe.model.unet.parameters())

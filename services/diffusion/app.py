@@ -38,6 +38,7 @@ from genserve.services.common.builder import AppArgs, build_app, handle_to
 from genserve.services.common.device import serving_device, use_torch_threads
 from genserve.services.common.errors import InvalidArgument
 from genserve.services.common.gate import Gate
+from genserve.services.common.gc_freeze import freeze_loaded_objects
 from genserve.services.common.images import image_messages, tensor_from_message, tensor_message
 from genserve.services.common.metrics import ServiceMetrics
 from genserve.services.common.rpc import streaming, unary, unknown_rpcs
@@ -117,6 +118,7 @@ class Diffusion:
                                    unet_rows=self.pipe.unet_rows)
         self._vae = None
         self._status = health.ServeStatusCache()
+        freeze_loaded_objects()
 
     def _decoder(self) -> Any:
         if self._vae is None:

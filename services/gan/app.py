@@ -21,6 +21,7 @@ from genserve.services.common.batcher import BatchArgs, Batcher
 from genserve.services.common.builder import build_app
 from genserve.services.common.device import serving_device, use_torch_threads
 from genserve.services.common.gate import Gate
+from genserve.services.common.gc_freeze import freeze_loaded_objects
 from genserve.services.common.images import images_response
 from genserve.services.common.metrics import ServiceMetrics
 from genserve.services.common.rpc import unary, unknown_rpcs
@@ -62,6 +63,7 @@ class ImageGan:
         self.z_dim = self.generator.config.z_dim
         self.batcher = Batcher(self._generate_batch, len, args.max_batch_images, args.batch_wait_s,
                                lambda images, waits: self.metrics.batch("generate", images, waits))
+        freeze_loaded_objects()
 
     def _generate_batch(self, latents: list[torch.Tensor]) -> list[torch.Tensor]:
         """One generator call for the latents of many requests; each gets its own rows back."""

@@ -32,6 +32,7 @@ from genserve.services.common.builder import build_app
 from genserve.services.common.device import use_torch_threads
 from genserve.services.common.errors import InvalidArgument
 from genserve.services.common.gate import Gate
+from genserve.services.common.gc_freeze import freeze_loaded_objects
 from genserve.services.common.metrics import ServiceMetrics
 from genserve.services.common.rpc import streaming, unary, unknown_rpcs
 from genserve.services.common.validation import parse
@@ -150,6 +151,7 @@ class TextGeneration:
         self.engine = AsyncLLMEngine.from_dir(model_dir, dtype=settings.dtype, config=settings.engine_config(),
                                               stall_s=settings.stall_seconds)
         self.metrics.cpu_kernels(self.engine.engine.runner.cpu_kernels)
+        freeze_loaded_objects()
         self.max_prompt_bytes = PROMPT_BYTES_PER_TOKEN * self.engine.max_context
         # The grammar engine loads in seconds: in the background, so the first structured request need not wait.
         threading.Thread(target=self.engine.engine.grammars.warm_up, name="genserve-grammar-warm-up",

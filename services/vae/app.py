@@ -29,6 +29,7 @@ from genserve.services.common.builder import build_app
 from genserve.services.common.device import serving_device, use_torch_threads
 from genserve.services.common.errors import InvalidArgument
 from genserve.services.common.gate import Gate
+from genserve.services.common.gc_freeze import freeze_loaded_objects
 from genserve.services.common.images import MAX_PIXELS, from_png, images_response, tensor_from_message, tensor_message
 from genserve.services.common.metrics import ServiceMetrics
 from genserve.services.common.rpc import unary, unknown_rpcs
@@ -90,6 +91,7 @@ class Vae:
         self.image_size = self.vae.config.image_size
         self.factor = self.vae.config.downsample_factor
         self.batchers = {name: self._batcher(name, args) for name in ("encode", "decode", "reconstruct")}
+        freeze_loaded_objects()
 
     def _batcher(self, name: str, args: BatchArgs) -> Batcher:
         """A batcher for one of the VAE's methods: its inputs' rows concatenated, one call per image size."""
