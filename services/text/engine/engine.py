@@ -38,7 +38,14 @@ from genserve.services.text.engine.runner import ModelRunner
 from genserve.services.text.engine.sampler import make_generator, sample_batch
 from genserve.services.text.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from genserve.services.text.engine.sequence import Sequence
-from genserve.services.text.engine.speculative import MAX_BACKOFF, SpeculativeConfig, Verdict, propose_ngram, verify
+from genserve.services.text.engine.speculative import (
+    MAX_BACKOFF,
+    SpeculativeConfig,
+    Verdict,
+    next_draft_length,
+    propose_ngram,
+    verify,
+)
 from genserve.shared.blocks.paged import PagedBatch
 
 
@@ -397,7 +404,7 @@ class LLMEngine:
             draft = seq.grammar.forced_tokens(min(room, self.config.max_jump_forward)) if seq.grammar else []
             forced = bool(draft)
             if not forced and speculate and seq.params.speculative and seq.spec_skip == 0 and room > 0:
-                k = min(spec.num_tokens, room)
+                k = min(seq.spec_k or spec.num_tokens, room)
                 if self.drafter is not None:
                     # The draft model writes K/V up to its k-th draft: the blocks are reserved before it runs.
                     if self.blocks.can_grow(seq.request_id, seq.num_tokens + k):
@@ -467,9 +474,12 @@ class LLMEngine:
                     self.forced_accepted += verdict.accepted
                 else:
                     # Back off where drafts keep failing (open-ended text): after n passes in a row that accepted
-                    # nothing, the next min(2^n, MAX_BACKOFF) steps run without a draft.
+                    # nothing, the next min(2^n, MAX_BACKOFF) steps run without a draft; and the draft length
+                    # follows the acceptances (adaptive k).
                     seq.spec_misses = 0 if verdict.accepted else seq.spec_misses + 1
                     seq.spec_skip = min(1 << seq.spec_misses, MAX_BACKOFF) if seq.spec_misses else 0
+                    most = self.config.speculative.num_tokens
+                    seq.spec_k = next_draft_length(seq.spec_k or most, len(c.draft), verdict.accepted, most)
                     for j in range(len(c.draft)):
                         self.spec_proposed[j] += 1
                         self.spec_accepted[j] += j < verdict.accepted

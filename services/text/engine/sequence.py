@@ -33,6 +33,7 @@ class Sequence:
     # left to run without a draft.
     spec_misses: int = 0
     spec_skip: int = 0
+    spec_k: int = 0  # the draft length it may get next (adaptive k, engine/speculative.py); 0: num_tokens
     # Tokens whose K/V the draft model holds (engine/draft.py); never more than num_computed after a verify pass, and
     # 0 again when preemption frees the blocks.
     draft_computed: int = 0

@@ -54,6 +54,13 @@ from genserve.services.text.engine.sampler import SampleRow, draw_batch, filter_
 MAX_BACKOFF = 16
 
 
+def next_draft_length(k: int, drafted: int, accepted: int, num_tokens: int) -> int:
+    """Adaptive k (the schedule of transformers' assisted generation, "heuristic"): after a pass that accepted all
+    ``drafted`` tokens, the next draft may be 2 longer; after a rejection, 1 shorter; within [1, num_tokens]. ``k``:
+    the length allowed before the pass."""
+    return min(num_tokens, k + 2) if accepted == drafted else max(1, k - 1)
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """How the engine speculates: the proposer, how many tokens it drafts per step, the n-gram lengths it matches

@@ -19,6 +19,7 @@ from genserve.services.text.engine.speculative import (
     SpeculativeConfig,
     draw_along,
     kept_draws,
+    next_draft_length,
     propose_ngram,
     target_logits,
 )
@@ -136,6 +137,12 @@ def test_penalties_at_each_draft_position_count_the_drafts_before_it():
     got = target_logits(raw, Row, [4, 4])
     for j, seen in enumerate(([3], [3, 4], [3, 4, 4])):
         assert torch.equal(got[j], apply_penalties(raw[j], params, [1, 2], seen))
+
+
+def test_the_draft_length_grows_after_full_acceptance_and_shrinks_after_a_rejection():
+    assert next_draft_length(2, 2, 2, 4) == 4 and next_draft_length(4, 4, 4, 4) == 4  # +2, capped at num_tokens
+    assert next_draft_length(4, 4, 1, 4) == 3 and next_draft_length(1, 1, 0, 4) == 1  # -1, never below 1
+    assert next_draft_length(3, 2, 2, 6) == 5  # a short n-gram match fully accepted still counts as full
 
 
 # ---- through the engine ---------------------------------------------------------------------------------------
@@ -297,7 +304,7 @@ def test_sampled_speculation_through_the_engine_follows_the_model(tmp_path):
             num_tokens=3, ngram_min=1, ngram_max=2, max_batch=n)))
     out = [ids for _, ids, _ in engine.generate_batch([prompt] * n, params)]
     stats = engine.speculation_stats()
-    assert stats["proposed_by_position"][2] > 100 and 0 < stats["accepted"] < stats["proposed"]
+    assert stats["proposed_by_position"][2] > 50 and 0 < stats["accepted"] < stats["proposed"]
     gen = torch.Generator().manual_seed(0)
     pit = []
     with torch.no_grad():

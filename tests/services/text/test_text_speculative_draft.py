@@ -178,7 +178,7 @@ def test_sampled_draft_speculation_follows_the_model(tmp_path):
         draft_model=draft)
     out = [ids for _, ids, _ in engine.generate_batch([prompt] * n, params)]
     stats = engine.speculation_stats()
-    assert stats["proposed_by_position"][2] > 100 and 0 < stats["accepted"] < stats["proposed"]
+    assert stats["proposed_by_position"][2] > 50 and 0 < stats["accepted"] < stats["proposed"]
     gen = torch.Generator().manual_seed(0)
     pit = []
     with torch.no_grad():
