@@ -105,8 +105,8 @@ static inline void dequant_block(int type, const uint8_t *b, float *restrict w) 
 }
 
 /* The products below widen each block into vector registers and multiply it by up to QROWS rows of x before the
- * next block is read: 2 zmm (AVX-512) or 4 ymm (AVX2) per block, else the portable dequant_block + omp simd loop
- * (measured 4-8x slower: GCC keeps its per-row partial sums in memory). */
+ * next block is read: 2 zmm (AVX-512) or 4 ymm (AVX2, 8 rows at a time) per block, else the portable
+ * dequant_block + omp simd loop (measured 4-8x slower: GCC keeps its per-row partial sums in memory). */
 #if defined(__AVX512F__)
 #define QROWS 8
 #define QLANES 16
@@ -122,7 +122,7 @@ typedef __m512 qvec;
 /* 16 bf16 at p -> 16 floats */
 #define qv_bf16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #elif defined(__AVX2__) && defined(__FMA__)
-#define QROWS 4
+#define QROWS 8
 #define QLANES 8
 typedef __m256 qvec;
 #define qv_zero() _mm256_setzero_ps()
@@ -205,6 +205,9 @@ static inline __attribute__((always_inline)) void qdot_tile(int type, const uint
                                                             int64_t k, float *restrict out, int64_t ostride) {
     const int64_t bytes = qblock_stride(type), nb = k / QK;
 #ifdef QLANES
+    /* Two chains of sums per row hide the FMA latency for up to half a tile of rows; past that the rows' own chains
+     * do, and one sum per row leaves the registers for QROWS rows (AVX2: 8 sums + 4 weight vectors of 16). */
+    const int chains = m <= QROWS / 2 ? 2 : 1;
     qvec acc[QROWS][2];
     for (int i = 0; i < m; i++) acc[i][0] = acc[i][1] = qv_zero();
     for (int64_t b = 0; b < nb; b++) {
@@ -213,7 +216,8 @@ static inline __attribute__((always_inline)) void qdot_tile(int type, const uint
         block_vectors(type, wr + b * bytes, w);
         for (int i = 0; i < m; i++) {
             const float *xb = x + i * xstride + b * QK;
-            for (int v = 0; v < QV; v++) acc[i][v & 1] = qv_fmadd(qv_load(xb + v * QLANES), w[v], acc[i][v & 1]);
+            for (int v = 0; v < QV; v++)
+                acc[i][v % chains] = qv_fmadd(qv_load(xb + v * QLANES), w[v], acc[i][v % chains]);
         }
     }
     for (int i = 0; i < m; i++) out[i * ostride] = qv_sum(acc[i][0]) + qv_sum(acc[i][1]);
