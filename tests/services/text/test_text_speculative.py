@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 
 import pytest
 import torch
@@ -72,6 +73,33 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     stat = ((counts[keep] - expected) ** 2 / expected).sum()
     df = int(keep.sum()) - 1
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+def pit_p(draws: Iterable[tuple[list[int], torch.Tensor]]) -> float:
+    """The chi-square p-value (10 equal bins) that sampled tokens are draws from the distributions they were drawn
+    from: ``draws`` pairs each output ``o`` with the (len(o), V) float64 probabilities at its positions. Each token's
+    randomised probability integral transform F(x-) + w·p(x), w ~ U(0, 1), is uniform exactly when it is, which pools
+    all positions and histories into one test. Every emitted token must have had mass (none outside top-p)."""
+    gen = torch.Generator().manual_seed(0)
+    pit = []
+    for o, probs in draws:
+        ids = torch.tensor(o)[:, None]
+        mass = probs.gather(1, ids)[:, 0]
+        assert bool((mass > 0).all())
+        pit.append((probs.cumsum(-1) - probs).gather(1, ids)[:, 0]
+                   + torch.rand(len(o), generator=gen, dtype=torch.float64) * mass)
+    counts = torch.histc(torch.cat(pit), bins=10, min=0, max=1).double()
+    return chi_square_p(counts, torch.full((10,), 0.1, dtype=torch.float64))
+
+
+def sampling_probs(rows: torch.Tensor, params: SamplingParams, prompt: list[int], o: list[int],
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
+    """What the sampler draws output ``o``'s tokens from, given the model's logits ``rows`` (len(o), V) at their
+    positions: penalties counting the tokens before each, a grammar's bitmask, then temperature, top-k/p, min-p."""
+    x = torch.stack([apply_penalties(rows[j], params, prompt, o[:j]) for j in range(len(o))])
+    if mask is not None:
+        x = apply_bitmask(x, mask)
+    return filter_logits_batch(x, [params] * len(o)).softmax(-1, dtype=torch.float64)  # (len(o), V)
 
 
 def target_logits_for(setting: SamplingParams, vocab: int = 12) -> torch.Tensor:
@@ -241,22 +269,15 @@ def test_sampled_grammar_requests_with_drafts_follow_the_masked_model(model):
                         num_blocks=n * 24, max_running=n)
     out = [ids for _, ids, _ in engine.generate_batch([prompt] * n, params)]
     assert engine.speculation_stats()["forced_accepted"] > 100
-    gen = torch.Generator().manual_seed(0)
-    pit = []
-    for o in out:
+
+    def probs_of(o: list[int]) -> torch.Tensor:
         with torch.no_grad():
             rows = model(torch.tensor([prompt + o]))[0, len(prompt) - 1:-1]  # (len(o), V)
         mask = torch.empty((len(o), bitmask_words(rows.shape[-1])), dtype=torch.int32)
         engine.grammars.compile(params).fill_along(o[:-1], mask)
-        x = apply_bitmask(torch.stack([apply_penalties(rows[j], params, prompt, o[:j]) for j in range(len(o))]), mask)
-        probs = filter_logits_batch(x, [params] * len(o)).softmax(-1, dtype=torch.float64)
-        ids = torch.tensor(o)[:, None]
-        mass = probs.gather(1, ids)[:, 0]
-        assert bool((mass > 0).all())
-        pit.append((probs.cumsum(-1) - probs).gather(1, ids)[:, 0] + torch.rand(len(o), generator=gen,
-                                                                                dtype=torch.float64) * mass)
-    counts = torch.histc(torch.cat(pit), bins=10, min=0, max=1).double()
-    assert chi_square_p(counts, torch.full((10,), 0.1, dtype=torch.float64)) > 1e-3
+        return sampling_probs(rows, params, prompt, o, mask)
+
+    assert pit_p((o, probs_of(o)) for o in out) > 1e-3
 
 
 class CountingFused:
@@ -290,9 +311,7 @@ def test_the_fused_step_scores_the_drafts_and_keeps_its_lookahead(cpu_kernels, m
 
 def test_sampled_speculation_through_the_engine_follows_the_model(tmp_path):
     """Every token sampled with speculation, drafted or not, is a draw from the model's distribution given the
-    tokens before it (penalties, temperature and top-p applied): its randomised probability integral transform
-    F(x-) + w·p(x), w ~ U(0, 1), is uniform exactly when it is, which pools all positions and histories into one
-    chi-square test over 10 equal bins."""
+    tokens before it (penalties, temperature and top-p applied): ``pit_p``."""
     vocab = 16
     torch.manual_seed(1)
     small = load_model(save_hf(hf_model("llama", vocab_size=vocab), tmp_path, sharded=False))
@@ -305,20 +324,9 @@ def test_sampled_speculation_through_the_engine_follows_the_model(tmp_path):
     out = [ids for _, ids, _ in engine.generate_batch([prompt] * n, params)]
     stats = engine.speculation_stats()
     assert stats["proposed_by_position"][2] > 50 and 0 < stats["accepted"] < stats["proposed"]
-    gen = torch.Generator().manual_seed(0)
-    pit = []
     with torch.no_grad():
         logits = small(torch.tensor([prompt + o for o in out]))[:, len(prompt) - 1:-1]  # (n, 40, V)
-    for o, rows in zip(out, logits, strict=True):
-        x = torch.stack([apply_penalties(rows[j], params, prompt, o[:j]) for j in range(len(o))])
-        probs = filter_logits_batch(x, [params] * len(o)).softmax(-1, dtype=torch.float64)  # (40, V)
-        ids = torch.tensor(o)[:, None]
-        below = (probs.cumsum(-1) - probs).gather(1, ids)[:, 0]
-        mass = probs.gather(1, ids)[:, 0]
-        assert bool((mass > 0).all())  # no token outside top-p is ever emitted
-        pit.append(below + torch.rand(len(o), generator=gen, dtype=torch.float64) * mass)
-    counts = torch.histc(torch.cat(pit), bins=10, min=0, max=1).double()
-    assert chi_square_p(counts, torch.full((10,), 0.1, dtype=torch.float64)) > 1e-3
+    assert pit_p((o, sampling_probs(rows, params, prompt, o)) for o, rows in zip(out, logits, strict=True)) > 1e-3
 
 
 def test_serve_config_option_reaches_the_engine_and_is_off_by_default():

@@ -13,7 +13,6 @@ from text_helpers import VOCAB, byte_tokenizer, hf_model, save_hf
 
 from genserve.services.text.engine.engine import EngineConfig, LLMEngine
 from genserve.services.text.engine.params import SamplingParams
-from genserve.services.text.engine.sampler import apply_penalties, filter_logits_batch
 from genserve.services.text.engine.speculative import SpeculativeConfig
 from genserve.services.text.loader import load_model
 
@@ -163,7 +162,7 @@ def test_triton_backend_drafts_and_verifies_with_the_same_greedy_tokens(llama_di
 def test_sampled_draft_speculation_follows_the_model(tmp_path):
     """Every token sampled with a draft model, drafted or not, is a draw from the target's distribution after
     penalties, temperature and top-p: the randomised PIT of the >= 2,500 tokens is uniform (chi-square, 10 bins)."""
-    from test_text_speculative import chi_square_p
+    from test_text_speculative import pit_p, sampling_probs
 
     vocab = 16
     torch.manual_seed(1)
@@ -179,20 +178,9 @@ def test_sampled_draft_speculation_follows_the_model(tmp_path):
     out = [ids for _, ids, _ in engine.generate_batch([prompt] * n, params)]
     stats = engine.speculation_stats()
     assert stats["proposed_by_position"][2] > 50 and 0 < stats["accepted"] < stats["proposed"]
-    gen = torch.Generator().manual_seed(0)
-    pit = []
     with torch.no_grad():
         logits = target(torch.tensor([prompt + o for o in out]))[:, len(prompt) - 1:-1]  # (n, 40, V)
-    for o, rows in zip(out, logits, strict=True):
-        x = torch.stack([apply_penalties(rows[j], params, prompt, o[:j]) for j in range(len(o))])
-        probs = filter_logits_batch(x, [params] * len(o)).softmax(-1, dtype=torch.float64)
-        ids = torch.tensor(o)[:, None]
-        mass = probs.gather(1, ids)[:, 0]
-        assert bool((mass > 0).all())
-        pit.append((probs.cumsum(-1) - probs).gather(1, ids)[:, 0]
-                   + torch.rand(len(o), generator=gen, dtype=torch.float64) * mass)
-    counts = torch.histc(torch.cat(pit), bins=10, min=0, max=1).double()
-    assert chi_square_p(counts, torch.full((10,), 0.1, dtype=torch.float64)) > 1e-3
+    assert pit_p((o, sampling_probs(rows, params, prompt, o)) for o, rows in zip(out, logits, strict=True)) > 1e-3
 
 
 def test_a_draft_config_without_a_draft_model_is_refused(llama_dir):
