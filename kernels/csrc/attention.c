@@ -112,18 +112,15 @@ int attention_f32(const float *q, const float *k, const float *v, float *o, int6
             const float *qp_ = q + b * q_strides[0] + h * q_strides[1];
             const float *vp = v + b * v_strides[0] + g * v_strides[1];
             float *op = o + b * o_strides[0] + h * o_strides[1];
-            const float *qr[QT], *pr[QT];
+            const float *qr[QT];
             float mx[QT], inv[QT];
-            for (int i = 0; i < QT; i++) {
-                qr[i] = qp_ + (i0 + (i < rows ? i : rows - 1)) * q_strides[2];
-                pr[i] = s + i * kb;
-            }
+            for (int i = 0; i < QT; i++) qr[i] = qp_ + (i0 + (i < rows ? i : rows - 1)) * q_strides[2];
             scores(qr, kt + (b * kv_heads + g) * d * kb, kb, tk, d, scale, s, mx);
             for (int i = 0; i < rows; i++) inv[i] = 1.f / exp_shifted_sum(s + i * kb, tk, mx[i]);
             for (int r0 = 0; r0 < rows; r0 += qp) { /* o = p v / sum */
                 v8 acc[QT][MAX_DV];
                 const float *rows_p[QT];
-                for (int i = 0; i < qp; i++) rows_p[i] = pr[r0 + i < rows ? r0 + i : r0];
+                for (int i = 0; i < qp; i++) rows_p[i] = s + (r0 + i < rows ? r0 + i : r0) * kb;
                 switch (nd) {
                 case 1: weighted_values(rows_p, vp, v_strides[2], tk, 6, 1, acc); break;
                 case 2: weighted_values(rows_p, vp, v_strides[2], tk, 6, 2, acc); break;

@@ -116,28 +116,28 @@ class AsyncLLMEngine:
         if dtype == "auto":
             dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
 
-        def load(source: Path) -> tuple[LlamaForCausalLM, TextTokenizer, str, str]:
-            """The model, its tokenizer, the path it came from and its GGUF weight type ("" if dequantised)."""
+        def load(source: Path) -> tuple[LlamaForCausalLM, TextTokenizer, Path, str, str]:
+            """The model, its tokenizer, the path it came from, its name and its GGUF weight type ("" if
+            dequantised)."""
             gguf = open_gguf(source)  # opened once: parsing a GGUF's metadata takes seconds for a 49k vocabulary
             if gguf is None:
                 model = load_model(source, dtype, device=device)
-                return model, TextTokenizer.from_dir(source, model.config.eos_token_ids), str(source), ""
+                return model, TextTokenizer.from_dir(source, model.config.eos_token_ids), source, source.name, ""
             model = load_model(gguf, dtype, device=device, keep_quantized=keep_quantized)
             quantized = any(isinstance(m, QuantLinear) for m in model.modules())
-            return (model, TextTokenizer.from_gguf(gguf, model.config.eos_token_ids), str(gguf.path),
+            return (model, TextTokenizer.from_gguf(gguf, model.config.eos_token_ids), gguf.path, gguf.path.stem,
                     gguf.file_type if quantized else "")
 
-        model, tokenizer, source, quantization = load(root)
+        model, tokenizer, source, name, quantization = load(root)
         draft = None
         spec = config.speculative if config is not None else None
         if spec is not None and spec.method == "draft":
-            draft, draft_tokenizer, draft_source, _ = load(Path(spec.draft_model_dir).resolve())
+            draft, draft_tokenizer, draft_source, _, _ = load(Path(spec.draft_model_dir).resolve())
             if draft_tokenizer.backend.get_vocab() != tokenizer.backend.get_vocab():
                 raise ValueError(f"speculative.draft_model_dir: {draft_source} has another tokenizer than "
                                  f"{source}; a draft model must share the target's vocabulary")
-        name = Path(source).stem if Path(source).is_file() else Path(source).name
-        return cls(LLMEngine(model, tokenizer, config, model_name=name, draft_model=draft), source, quantization,
-                   stall_s=stall_s)
+        return cls(LLMEngine(model, tokenizer, config, model_name=name, draft_model=draft), str(source),
+                   quantization, stall_s=stall_s)
 
     @property
     def max_context(self) -> int:

@@ -57,12 +57,11 @@ class DraftProposer:
         steps = k + 1
         chunks = [ScheduledChunk(s, s.draft_computed, s.num_tokens - s.draft_computed) for s in seqs]
         batch, ordered = build_batch(chunks, self.blocks, first_group_only=True)
-        drafts: dict[int, list[int]] = {}
+        drafts: dict[int, list[int]] = {id(c.seq): [] for c in ordered}
         if not batch.prefills and self.runner.max_steps(len(ordered)) >= steps:
             for c, row in zip(ordered, self.runner.execute_greedy(batch, steps), strict=True):
                 drafts[id(c.seq)] = row[:k]
         else:
-            drafts = {id(c.seq): [] for c in ordered}
             for step in range(steps):
                 logits = self.runner.execute_logits(batch)  # (S, V): each sequence's newest position
                 if step == k:
