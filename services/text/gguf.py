@@ -9,8 +9,15 @@ whole rows of blocks; its longrope factors come from the `rope_factors_long`/`ro
 (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`: expert e is slice e), served per expert, kept-quantized ones as
 the expert's own blocks; its top-k weights are renormalised, as llama.cpp's qwen3moe graph always does. Mixtral is
 a `llama` file with `llama.expert_count` and the same stacked experts. `gpt-oss` adds biases (the experts' stacked
-too), a sink logit per head, MXFP4 experts and YaRN with the betas llama.cpp assumes; its even layers slide. For
-Gemma,
+too), a sink logit per head, MXFP4 experts and YaRN with the betas llama.cpp assumes; its even layers slide.
+`deepseek2` (DeepSeek-V3) is multi-head latent attention as llama.cpp serves it, MQA over the latent: its
+`attention.key_length`/`value_length` are the latent's widths, the heads' own are `key_length_mla`/`value_length_mla`
+(older files: `key_length`/`value_length`, and a whole `attn_kv_b`); the converter splits `kv_b_proj` into
+`attn_k_b` (each head's key rows transposed) and `attn_v_b`, joined here again (`merged_kv_b`) and served dense, as the
+absorbed attention reads it (shared/blocks/mla.py). Its RoPE pairs are interleaved, unpermuted (llama.cpp's NORM
+rope, HF's rope_interleave); routing is sigmoid with the `exp_probs_b` correction bias, grouped when the file has
+`expert_group_count` (else one group, as llama.cpp then routes), and YaRN's softmax scale comes from
+`rope.scaling.yarn_log_multiplier` (0.1 mscale_all_dim). For Gemma,
 llama.cpp's converter stores every RMSNorm gain as 1 + w (its norms multiply by the gain), so 1 is taken off again;
 what its runtime hard-codes, our config states: the softmax scale 1/sqrt(key_length), the sliding layers' RoPE base
 10,000 (Gemma 3) and Gemma 2's alternating windows. `tensor_weight` dequantizes a tensor to the
@@ -49,6 +56,7 @@ ARCHITECTURES = {
     "gpt-oss": ("GptOssForCausalLM", False, True),
     "gemma2": ("Gemma2ForCausalLM", False, False),
     "gemma3": ("Gemma3ForCausalLM", False, False),
+    "deepseek2": ("DeepseekV3ForCausalLM", False, False),
 }
 GEMMA = ("gemma2", "gemma3")
 GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train_swa for Gemma 3
@@ -99,9 +107,23 @@ GEMMA_LAYER_NAMES = LAYER_NAMES | {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+# DeepSeek-V3: MLA's projections (attn_q without a query LoRA), the router's correction bias, one shared-experts
+# FFN (ours is the first of a list); `attn_kv_b` is the whole kv_b_proj of older files.
+DEEPSEEK2_LAYER_NAMES = LAYER_NAMES | {
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+} | {f"ffn_{kind}_shexp.weight": f"mlp.shared_experts.0.{kind}_proj.weight" for kind in ("gate", "up", "down")}
+# The current converter's halves of kv_b_proj (merged_kv_b).
+KV_B_HALVES = ("attn_k_b", "attn_v_b")
+SIGMOID_GATING = 2  # llama.cpp's expert_gating_func: 1 softmax (assumed when absent), 2 sigmoid
 # The architectures whose layer tensors are named otherwise than LAYER_NAMES.
 ARCH_LAYER_NAMES = {"phi3": PHI3_LAYER_NAMES, "gpt-oss": GPT_OSS_LAYER_NAMES, "gemma2": GEMMA_LAYER_NAMES,
-                    "gemma3": GEMMA_LAYER_NAMES}
+                    "gemma3": GEMMA_LAYER_NAMES, "deepseek2": DEEPSEEK2_LAYER_NAMES}
 
 
 def find_gguf(path: str | Path) -> Path | None:
@@ -141,6 +163,12 @@ def unpermute_index(rows: int, n_heads: int) -> torch.Tensor:
     interleaved rotary pairs (i, half) back to HF's halves (half, i). New row i is the file's row index[i], for a
     weight (rows, in), a bias (rows,) or rows of quantized blocks alike."""
     return torch.arange(rows).reshape(n_heads, rows // n_heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def merged_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's kv_b_proj (H (nope + v), kv_lora) from llama.cpp's halves: `attn_k_b` (H, kv_lora, nope), each
+    head's key rows stored transposed, and `attn_v_b` (H, v, kv_lora); each head's key rows, then its value rows."""
+    return torch.cat((k_b.transpose(1, 2), v_b), dim=1).flatten(0, 1)
 
 
 def expert_names(name: str, n_experts: int) -> list[str] | None:
@@ -200,15 +228,6 @@ class GGUFCheckpoint:
         name, _, qkv_bias = ARCHITECTURES[arch]
         if arch == "llama" and f"{arch}.expert_count" in self.metadata:
             name = "MixtralForCausalLM"  # llama.cpp converts Mixtral as `llama` with experts
-        scaling = self.metadata.get(f"{arch}.rope.scaling.type", "none")
-        if scaling not in ("none", "linear") and not (scaling == "yarn" and arch == "gpt-oss"):
-            raise ValueError(f"GGUF rope scaling {scaling!r} is not supported (supported: none, linear; yarn for "
-                             "gpt-oss)")
-        rope_scaling = {"rope_type": scaling, "factor": float(self._arch_value("rope.scaling.factor"))} \
-            if scaling != "none" else self._longrope()
-        if scaling == "yarn":
-            rope_scaling.update(GPT_OSS_ROPE, original_max_position_embeddings=int(
-                self._arch_value("rope.scaling.original_context_length")))
         n_heads = int(self._arch_value("attention.head_count"))
         dim = int(self._arch_value("embedding_length"))
         embed = next((t for t in self.reader.tensors if t.name == "token_embd.weight"), None)
@@ -221,7 +240,7 @@ class GGUFCheckpoint:
             head_dim=int(self._arch_value("attention.key_length", dim // n_heads)),
             ffn_hidden=int(self._arch_value("feed_forward_length")),
             rope_theta=float(self._arch_value("rope.freq_base", 10000.0)),
-            rope_scaling=tuple(sorted(rope_scaling.items())),
+            rope_scaling=tuple(sorted(self._rope_scaling().items())),
             max_position=int(self._arch_value("context_length")),
             sliding_window=int(self._arch_value("attention.sliding_window", 0)),
             norm_eps=float(self._arch_value("attention.layer_norm_rms_epsilon")),
@@ -232,6 +251,31 @@ class GGUFCheckpoint:
             architecture=name,
         )
         return config.replace(**self._family(config))
+
+    def _rope_scaling(self) -> dict[str, Any]:
+        """rope_scaling as HF writes it: linear, YaRN (gpt-oss, deepseek2) or Phi-3's longrope; {} for none."""
+        arch = self.architecture
+        scaling = self.metadata.get(f"{arch}.rope.scaling.type", "none")
+        if scaling == "none":
+            return self._longrope()
+        if scaling not in ("linear", "yarn") or (scaling == "yarn" and arch not in ("gpt-oss", "deepseek2")):
+            raise ValueError(f"GGUF rope scaling {scaling!r} is not supported (supported: none, linear; yarn for "
+                             "gpt-oss and deepseek2)")
+        out = {"rope_type": scaling, "factor": float(self._arch_value("rope.scaling.factor"))}
+        if scaling == "linear":
+            return out
+        out["original_max_position_embeddings"] = int(self._arch_value("rope.scaling.original_context_length"))
+        if arch == "gpt-oss":
+            return out | GPT_OSS_ROPE
+        # deepseek2: llama.cpp's graph keeps the rotated parts' magnitude (attention factor 1) and scales the
+        # softmax by YaRN's mscale of mscale_all_dim, which the converter stores times 0.1. Its yarn_attn_factor
+        # would scale both again, which HF's DeepSeek does not: not served.
+        if float(self._arch_value("rope.scaling.yarn_attn_factor", 1.0)) != 1.0:
+            raise ValueError("GGUF metadata deepseek2.rope.scaling.yarn_attn_factor: only 1 is served")
+        return out | {"beta_fast": float(self._arch_value("rope.scaling.yarn_beta_fast", 32.0)),
+                      "beta_slow": float(self._arch_value("rope.scaling.yarn_beta_slow", 1.0)),
+                      "attention_factor": 1.0,
+                      "mscale_all_dim": float(self._arch_value("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1}
 
     def _longrope(self) -> dict[str, Any]:
         """Phi-3's longrope (rope_scaling as HF writes it) from its factor tensors; {} for a file without them."""
@@ -257,6 +301,8 @@ class GGUFCheckpoint:
         arch = self.architecture
         if arch == "qwen3":
             return {"qk_norm": True}
+        if arch == "deepseek2":
+            return self._deepseek2(config)
         if arch == "gpt-oss":
             n = config.n_layers  # llama.cpp's swa pattern 2: the even layers slide
             return {"attention_sinks": True, "o_bias": True, "router_bias": True, "expert_bias": True,
@@ -287,6 +333,29 @@ class GGUFCheckpoint:
             out["layer_types"] = tuple("sliding_attention" if s else "full_attention" for s in sliding)
         return out
 
+    def _deepseek2(self, config: LlamaConfig) -> dict[str, Any]:
+        """DeepSeek-V3's MLA and routing (module docstring); the heads' own widths, every head its own keys."""
+        gating = self.metadata.get("deepseek2.expert_gating_func")
+        if gating != SIGMOID_GATING:
+            raise ValueError(f"GGUF metadata deepseek2.expert_gating_func is {gating}: only DeepSeek-V3's sigmoid "
+                             f"routing ({SIGMOID_GATING}) is served, not DeepSeek-V2's softmax (1, which llama.cpp "
+                             "assumes when the key is absent)")
+        mla = "deepseek2.attention.key_length_mla" in self.metadata  # else an older file: the heads' widths
+        key = int(self._arch_value("attention.key_length_mla" if mla else "attention.key_length"))
+        rope = int(self._arch_value("rope.dimension_count"))
+        groups = int(self._arch_value("expert_group_count", 1))
+        return {**self._experts("expert_feed_forward_length"), "router": "sigmoid_grouped",
+                "norm_topk_prob": bool(self._arch_value("expert_weights_norm", False)),
+                "routed_scaling": float(self._arch_value("expert_weights_scale", 0.0)) or 1.0,
+                "n_shared_experts": int(self._arch_value("expert_shared_count")),
+                "first_dense_layers": int(self._arch_value("leading_dense_block_count", 0)),
+                "n_expert_groups": groups, "topk_groups": int(self._arch_value("expert_group_used_count", groups)),
+                "q_lora_rank": int(self._arch_value("attention.q_lora_rank", 0)),
+                "kv_lora_rank": int(self._arch_value("attention.kv_lora_rank")),
+                "qk_rope_head_dim": rope, "qk_nope_head_dim": key - rope, "head_dim": key,
+                "v_head_dim": int(self._arch_value("attention.value_length_mla" if mla else "attention.value_length")),
+                "n_kv_heads": config.n_heads, "rope_interleaved": True}
+
     def _row_order(self, config: LlamaConfig, tensor: GGUFTensor, module: str = "") -> torch.Tensor | None:
         """The rows of ``tensor`` that make ``module``: its part of a fused Phi-3 projection, or llama.cpp's q/k
         permutation undone; None for a tensor taken whole, as stored."""
@@ -306,6 +375,8 @@ class GGUFCheckpoint:
         kept = {}
         for tensor in self.reader.tensors:
             if tensor.tensor_type not in KEPT_QUANTIZED or not tensor.name.endswith(".weight"):
+                continue
+            if tensor.name.split(".")[-2] in KV_B_HALVES:  # merged into kv_b_proj, which MLA reads as a matrix
                 continue
             experts = expert_names(tensor.name, int(tensor.shape[-1]))
             if experts is not None:  # each expert its own layer over its slice (quant_linear)
@@ -327,10 +398,15 @@ class GGUFCheckpoint:
         """Every tensor under its HF name, in `dtype`, with llama.cpp's q/k row permutation undone; tensors named in
         `skip` (GGUF names, kept quantized by the caller) are not dequantized."""
         state = {}
+        halves: dict[str, dict[str, torch.Tensor]] = {}  # DeepSeek's kv_b_proj, by layer
         for tensor in self.reader.tensors:
             if tensor.name in skip or tensor.name in ROPE_FACTORS:
                 continue
             weight = tensor_weight(tensor, dtype)
+            parts = tensor.name.split(".")  # blk.{layer}.{kind}.weight
+            if parts[-2] in KV_B_HALVES:
+                halves.setdefault(parts[1], {})[parts[-2]] = weight
+                continue
             if self.architecture in GEMMA and tensor.name.endswith("norm.weight"):
                 weight = weight - 1  # llama.cpp stores Gemma's gains as 1 + w
             experts = expert_names(tensor.name, weight.shape[0])
@@ -339,6 +415,11 @@ class GGUFCheckpoint:
                 continue
             rows = None if self.architecture == "phi3" else self._row_order(config, tensor)
             state[hf_name(tensor.name, self.architecture)] = weight if rows is None else weight[rows]
+        for layer, pair in halves.items():
+            if len(pair) != len(KV_B_HALVES):
+                raise ValueError(f"{self.path.name}: layer {layer} has {' and '.join(pair)} without its other half "
+                                 f"({' and '.join(KV_B_HALVES)} make kv_b_proj)")
+            state[f"model.layers.{layer}.self_attn.kv_b_proj.weight"] = merged_kv_b(*(pair[k] for k in KV_B_HALVES))
         return to_model_names(state, config) if self.architecture == "phi3" else state
 
     def quant_linear(self, config: LlamaConfig, tensor: GGUFTensor, bias: torch.Tensor | None,

@@ -1,8 +1,9 @@
 """Tiny GGUF files written with gguf.GGUFWriter the way llama.cpp's convert_hf_to_gguf.py writes them: Llama and
 Mistral as the `llama` architecture with q/k rows permuted, Qwen2, Qwen3 and Phi-3 unpermuted (Phi-3's fused
-projections as they are, its longrope factors as two tensors), Gemma 2 and 3 with every norm gain stored as 1 + w;
-1-D tensors in F32, the matrices in the asked type; a byte-level BPE tokenizer (vocabulary, merges, control
-tokens) and a chat template."""
+projections as they are, its longrope factors as two tensors), Gemma 2 and 3 with every norm gain stored as 1 + w,
+DeepSeek-V3 as `deepseek2` (MLA as MQA over the latent, kv_b_proj split per head into `attn_k_b`, transposed, and
+`attn_v_b`; or whole, as older converters wrote it); 1-D tensors in F32, the matrices in the asked type; a byte-level
+BPE tokenizer (vocabulary, merges, control tokens) and a chat template."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType, TokenType
+from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFWriter, RopeScalingType, TokenType
 from gguf.quants import quantize
 from tokenizers import Tokenizer
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
              "qwen3_moe": "qwen3moe", "mixtral": "llama", "gpt_oss": "gpt-oss", "gemma2": "gemma2",
-             "gemma3_text": "gemma3"}
+             "gemma3_text": "gemma3", "deepseek_v3": "deepseek2"}
 HF_TO_GGUF = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -33,6 +34,11 @@ LAYER = {
 }
 GPT_OSS_LAYER = LAYER | {"post_attention_layernorm": "post_attention_norm", "self_attn.sinks": "attn_sinks",
                          "mlp.router": "ffn_gate_inp"}
+DEEPSEEK2_LAYER = LAYER | {
+    "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm", "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa", "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+    "self_attn.kv_b_proj": "attn_kv_b", "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj": "ffn_up_shexp", "mlp.shared_experts.down_proj": "ffn_down_shexp"}
 GEMMA_LAYER = LAYER | {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                        "post_feedforward_layernorm": "post_ffw_norm"}
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
@@ -47,8 +53,11 @@ def gguf_name(name: str, arch: str = "llama") -> str:
     _, _, layer, rest = name.split(".", 3)
     if rest == "self_attn.sinks":
         return f"blk.{layer}.attn_sinks.weight"
+    if rest == "mlp.gate.e_score_correction_bias":  # renamed e_score_correction.bias by the converter
+        return f"blk.{layer}.exp_probs_b.bias"
     module, kind = rest.rsplit(".", 1)
-    names = GEMMA_LAYER if arch.startswith("gemma") else GPT_OSS_LAYER if arch == "gpt-oss" else LAYER
+    names = GEMMA_LAYER if arch.startswith("gemma") else GPT_OSS_LAYER if arch == "gpt-oss" else \
+        DEEPSEEK2_LAYER if arch == "deepseek2" else LAYER
     return f"blk.{layer}.{names[module]}.{kind}"
 
 
@@ -104,8 +113,52 @@ def _stacked_experts(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Te
     return out
 
 
+def _split_kv_b(state: dict[str, torch.Tensor], n_heads: int, nope: int) -> dict[str, torch.Tensor]:
+    """DeepseekV2Model.modify_tensors: kv_b_proj (H (nope + v), kv_lora) -> `attn_k_b` (H, kv_lora, nope), each
+    head's key rows transposed, and `attn_v_b` (H, v, kv_lora), under GGUF names; the rest unchanged."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith("self_attn.kv_b_proj.weight"):
+            layer = name.split(".")[2]
+            k_b, v_b = tensor.view(n_heads, -1, tensor.shape[-1]).split([nope, tensor.shape[0] // n_heads - nope], 1)
+            out |= {f"blk.{layer}.attn_k_b.weight": k_b.transpose(1, 2), f"blk.{layer}.attn_v_b.weight": v_b}
+        else:
+            out[name] = tensor
+    return out
+
+
+def _deepseek2_metadata(writer: GGUFWriter, cfg, whole_kv_b: bool) -> None:
+    """convert_hf_to_gguf's DeepseekV2Model (and TextModel's MoE keys): MLA as MQA over the latent, whose widths are
+    key/value_length; the heads' own in the _mla keys (older converters: in key/value_length, no _mla keys)."""
+    rope = cfg.rope_parameters
+    writer.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    writer.add_q_lora_rank(cfg.q_lora_rank)
+    writer.add_kv_lora_rank(cfg.kv_lora_rank)
+    head_k = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    writer.add_key_length(head_k if whole_kv_b else cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    writer.add_value_length(cfg.v_head_dim if whole_kv_b else cfg.kv_lora_rank)
+    if not whole_kv_b:
+        writer.add_key_length_mla(head_k)
+        writer.add_value_length_mla(cfg.v_head_dim)
+    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    writer.add_expert_shared_count(cfg.n_shared_experts)
+    writer.add_expert_group_count(cfg.n_group)
+    writer.add_expert_group_used_count(cfg.topk_group)
+    writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)  # DeepSeek-V3's config.json: scoring_func sigmoid
+    writer.add_expert_weights_scale(cfg.routed_scaling_factor)
+    writer.add_expert_weights_norm(cfg.norm_topk_prob)
+    writer.add_rope_dimension_count(cfg.qk_rope_head_dim)
+    writer.add_rope_scaling_type(RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(float(rope["factor"]))
+    writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+    writer.add_rope_scaling_yarn_beta_fast(float(rope["beta_fast"]))
+    writer.add_rope_scaling_yarn_beta_slow(float(rope["beta_slow"]))
+    writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
 def write_gguf(path: Path, hf: torch.nn.Module, qtype: str = "F32", tokenizer: Tokenizer | None = None,
-               chat_template: str | None = None, eos: str | None = None, pre: str = "gpt-2") -> Path:
+               chat_template: str | None = None, eos: str | None = None, pre: str = "gpt-2",
+               whole_kv_b: bool = False) -> Path:
     cfg = hf.config
     arch = GGUF_ARCH[cfg.model_type]
     writer = GGUFWriter(str(path), arch)
@@ -114,7 +167,7 @@ def write_gguf(path: Path, hf: torch.nn.Module, qtype: str = "F32", tokenizer: T
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_head_count_kv(1 if arch == "deepseek2" else cfg.num_key_value_heads)  # MLA: one latent "head"
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # Gemma 3: the global layers' RoPE
     writer.add_rope_freq_base(float(rope["rope_theta"]))
@@ -146,6 +199,8 @@ def write_gguf(path: Path, hf: torch.nn.Module, qtype: str = "F32", tokenizer: T
             writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         if cfg.final_logit_softcapping:
             writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if arch == "deepseek2":
+        _deepseek2_metadata(writer, cfg, whole_kv_b)
     if arch == "gemma3":
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
     if tokenizer is not None:
@@ -156,6 +211,8 @@ def write_gguf(path: Path, hf: torch.nn.Module, qtype: str = "F32", tokenizer: T
     state = hf.state_dict()
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    if arch == "deepseek2" and not whole_kv_b:
+        state = _split_kv_b(state, cfg.num_key_value_heads, cfg.qk_nope_head_dim)
     for name, tensor in _stacked_experts(state):
         target = gguf_name(name, arch)
         data = tensor.detach().float().numpy()

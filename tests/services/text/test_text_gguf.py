@@ -1,6 +1,6 @@
 """GGUF checkpoints against transformers' own GGUF loading: tiny files written with gguf.GGUFWriter from random HF
-Llama, Mistral, Qwen2, Phi-3, Qwen3-MoE, Mixtral and gpt-oss models in F32, Q8_0, Q4_1 and MXFP4; the tokenizer
-from the metadata; refusals by name."""
+Llama, Mistral, Qwen2, Phi-3, Qwen3-MoE, Mixtral, gpt-oss and DeepSeek-V3 models in F32, Q8_0, Q4_1 and MXFP4; the
+tokenizer from the metadata; refusals by name."""
 
 from __future__ import annotations
 
@@ -174,6 +174,59 @@ def test_gpt_oss_loads_with_biases_sinks_windows_and_mxfp4_experts(tmp_path, qty
     assert _quant_layers(model) == kept[qtype]
     ids = torch.randint(0, VOCAB, (2, 100), generator=torch.Generator().manual_seed(3))  # past the original 64
     _assert_like_hf(model, hf, ids, qtype)
+
+
+# Every matrix's rows a whole number of 32-value Q8_0 blocks (attn_k_b's are qk_nope_head_dim wide, attn_v_b's
+# kv_lora_rank), so that no tensor falls back to F16 as the converter's would.
+DEEPSEEK_V3 = dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=32,
+                   v_head_dim=16, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+                   n_shared_experts=2, first_k_dense_replace=1, moe_intermediate_size=32, routed_scaling_factor=1.5,
+                   max_position_embeddings=256, rope_scaling={
+                       "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0,
+                       "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0})
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_deepseek_v3_loads_from_deepseek2_files(tmp_path, qtype):
+    """DeepSeek-V3 (query LoRA, YaRN, a dense first layer, grouped sigmoid routing with a correction bias, shared
+    experts) as convert_hf_to_gguf writes it: `deepseek2`, kv_b_proj split into `attn_k_b`/`attn_v_b`. transformers
+    has no deepseek2 GGUF reader, so the reference is the HF model: F32 logits equal past YaRN's original context and
+    24 greedy tokens; Q8_0 kept as blocks (each expert, the shared experts) within its rounding."""
+    hf = hf_model("deepseek_v3", **DEEPSEEK_V3)
+    model = load_model(write_gguf(tmp_path / f"deepseek2-{qtype}.gguf", hf, qtype, byte_tokenizer()._tok),
+                       keep_quantized=True)
+    cfg = model.config
+    assert cfg.architecture == "DeepseekV3ForCausalLM" and cfg.mla and cfg.router == "sigmoid_grouped"
+    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == \
+        (32, 32, 32, 8, 16)
+    assert (cfg.n_expert_groups, cfg.topk_groups, cfg.n_shared_experts, cfg.routed_scaling) == (4, 2, 2, 1.5)
+    assert [cfg.layer_is_moe(i) for i in range(cfg.n_layers)] == [False, True]
+    # Kept: the 4 MLA projections (kv_b_proj stays dense for the absorbed form), the dense FFN's 3, each expert's 3,
+    # the shared experts' 3 and the head.
+    assert _quant_layers(model) == (4 * 2 + 3 + 8 * 3 + 3 + 1 if qtype != "F32" else 0)
+    ids = torch.randint(0, VOCAB, (2, 100), generator=torch.Generator().manual_seed(3))  # past the original 64
+    _assert_like_hf(model, hf, ids, qtype)
+
+
+def test_deepseek2_files_with_a_whole_kv_b_load_too(tmp_path):
+    """Older converters wrote kv_b_proj whole (`attn_kv_b`) and the heads' widths in key/value_length."""
+    hf = hf_model("deepseek_v3", **DEEPSEEK_V3)
+    model = load_model(write_gguf(tmp_path / "deepseek2-old.gguf", hf, tokenizer=byte_tokenizer()._tok,
+                                  whole_kv_b=True))
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (model(ids) - hf(ids).logits).abs().max().item() <= LOGITS_ATOL
+
+
+@pytest.mark.parametrize(("writes", "field"), [("add_kv_lora_rank", "deepseek2.attention.kv_lora_rank is missing"),
+                                               ("add_expert_gating_func", "deepseek2.expert_gating_func is None")])
+def test_deepseek2_without_a_needed_key_is_refused_by_name(tmp_path, monkeypatch, writes, field):
+    """A file without kv_lora_rank, or without the gating function (llama.cpp then assumes DeepSeek-V2's softmax,
+    which is not served), is refused naming the field."""
+    monkeypatch.setattr(GGUFWriter, writes, lambda self, value: None)
+    path = write_gguf(tmp_path / "deepseek2.gguf", hf_model("deepseek_v3", **DEEPSEEK_V3))
+    with pytest.raises(ValueError, match=f"GGUF metadata {field}"):
+        load_model(path)
 
 
 def test_unpermute_inverts_llama_cpp_permutation():

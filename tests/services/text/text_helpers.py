@@ -32,7 +32,7 @@ def byte_tokenizer() -> TextTokenizer:
 
 def hf_model(arch: str, **overrides):
     """A random tiny transformers model of ``arch`` ("llama" | "mistral" | "qwen2" | "phi3" | "qwen3_moe" |
-    "mixtral" | "gpt_oss"), every weight non-trivial."""
+    "mixtral" | "gpt_oss" | "deepseek_v3"), every weight non-trivial (DeepSeek-V3's router correction bias too)."""
     import transformers
 
     cls_cfg, cls_model = {
@@ -43,6 +43,7 @@ def hf_model(arch: str, **overrides):
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
+        "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
     }[arch]
     kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None,
@@ -51,7 +52,8 @@ def hf_model(arch: str, **overrides):
     model = cls_model(cls_cfg(**kwargs)).eval()
     gen = torch.Generator().manual_seed(1234)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        biases = [(n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
+        for name, p in [*model.named_parameters(), *biases]:
             if "norm" in name:
                 p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
             else:
