@@ -194,12 +194,14 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, T, V), every sequence starting at position 0."""
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        long = 0 < self.rope.long_prompt_from < input_ids.shape[1]  # longrope past the original context (rope.py)
 
         def attend(i: int, attn: nn.Module, h: torch.Tensor) -> torch.Tensor:
             layer = self.model.layers[i]
+            rope = self.rope.long_tables() if long and not layer.local_rope else self._tables(layer)
             if isinstance(attn, MultiHeadLatentAttention):
-                return attn(h, rope=self._tables(layer), positions=positions)
-            return attn(h, rope=self._tables(layer), positions=positions, window=layer.window)
+                return attn(h, rope=rope, positions=positions)
+            return attn(h, rope=rope, positions=positions, window=layer.window)
 
         return self.logits(self.model(input_ids, attend))  # (B, T, V)
 
@@ -211,6 +213,11 @@ class LlamaForCausalLM(nn.Module):
         batch = batch.to(self.model.embed_tokens.weight.device)
         cos, sin = self.rope.tables()
         rope = cos[batch.positions], sin[batch.positions]  # (N, D/2): one row per token, gathered once per step
+        if batch.long_rope is not None and self.rope.long_prompt_from:  # prompts past longrope's original context
+            long = batch.long_rope[:, None]
+            long_cos, long_sin = self.rope.long_tables()
+            rope = (torch.where(long, long_cos[batch.positions], rope[0]),
+                    torch.where(long, long_sin[batch.positions], rope[1]))
         if self.local_rope is not None:
             cos, sin = self.local_rope.tables()
             local = cos[batch.positions], sin[batch.positions]

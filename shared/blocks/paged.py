@@ -53,6 +53,9 @@ class PagedBatch:
     logits_index: torch.Tensor  # (S,) long: flat tokens whose next-token logits are wanted
     groups: tuple[GroupTables, ...] = ()  # KV groups 1.. of a hybrid cache
     layer_groups: tuple[int, ...] = ()  # layer -> its KV group; () for every layer in group 0
+    # (N,) bool: the prompt tokens of sequences whose prompt passes longrope's original context, rotated with its long
+    # factors at every position (shared/blocks/rope.py); None where the batch has none
+    long_rope: torch.Tensor | None = None
 
     @property
     def n_decode(self) -> int:
@@ -99,7 +102,8 @@ class PagedBatch:
                            for c, t in zip(self.prefills, chunk_tables, strict=True)),
             logits_index=logits_index, layer_groups=self.layer_groups,
             groups=tuple(GroupTables(rest[i], rest[i + 1], tuple(rest[i + 2:i + 2 + n]))
-                         for i in range(0, len(rest), 2 + n)))
+                         for i in range(0, len(rest), 2 + n)),
+            long_rope=self.long_rope.to(device) if self.long_rope is not None else None)
 
 
 def gather(cache: torch.Tensor, table: torch.Tensor, start: int, end: int) -> torch.Tensor:

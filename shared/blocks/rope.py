@@ -13,9 +13,11 @@ Frequency schedule theta_i = base^{-2(i-1)/d} (the chapter's equation ROPE FREQ)
 ("RoPE in Practice"), numerically identical to Hugging Face transformers' `rope_type`s: "linear" (position
 interpolation), "ntk" (NTK-aware base change), "dynamic" (HF's dynamic NTK: the base grows with the table length),
 "yarn" (Peng et al. 2023), "llama3" and "longrope" (Ding et al. 2024, LongRoPE; Phi-3): per-frequency rescale factors,
-the short set for positions inside the original context and the long set past it, so a position's table row never
-depends on the batch or the sequence it belongs to (transformers switches a whole forward pass to the long set once
-its last position passes the original context, which agrees with this wherever a prompt fits the original context).
+the short set for positions inside the original context and the long set past it. transformers picks the set per
+forward pass, by its last position: a prompt longer than the original context is rotated with the long set at every
+position, and each later token by its own position. `RoPE.long_prompt_from` and `long_tables` give that rule per
+sequence (the engine's batch marks the prompt tokens of such sequences), so a token's rotation depends on its
+sequence's prompt, never on the batch or the chunking.
 """
 
 from __future__ import annotations
@@ -175,16 +177,20 @@ def rope_cos_sin(
     positions: int | torch.Tensor,
     theta: float = 10000.0,
     scaling: RopeScaling | dict[str, Any] | None = None,
+    long: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin tables (P, D/2) float32 for `positions` (a tensor of positions, or an int P meaning 0..P-1).
 
-    For "dynamic" scaling the number of positions plays HF's current sequence length.
+    For "dynamic" scaling the number of positions plays HF's current sequence length. `long` (longrope): the long
+    factors at every position, for a prompt past the original context; else each position's own set.
     """
     if isinstance(scaling, dict):
         scaling = RopeScaling.from_hf(scaling)
     pos = torch.arange(positions) if isinstance(positions, int) else positions
     seq_len = int(pos.max()) + 1 if pos.numel() else 0
-    if scaling is not None and scaling.type == "longrope":
+    if scaling is not None and scaling.type == "longrope" and long:
+        seq_len = scaling.original_max_position_embeddings + 1
+    elif scaling is not None and scaling.type == "longrope":
         short, attn_factor = scaled_inv_freq(head_dim, theta, scaling, None)
         long, _ = scaled_inv_freq(head_dim, theta, scaling, scaling.original_max_position_embeddings + 1)
         inside = (pos < scaling.original_max_position_embeddings)[..., None]
@@ -269,9 +275,22 @@ class RoPE(nn.Module):
         cos, sin = rope_cos_sin(head_dim, max_position, theta, scaling)
         self.register_buffer("cos", cos, persistent=False)  # (P, D/2)
         self.register_buffer("sin", sin, persistent=False)
+        if isinstance(scaling, dict):
+            scaling = RopeScaling.from_hf(scaling)
+        # longrope: a prompt longer than this is rotated with the long factors at every position (module docstring)
+        self.long_prompt_from = 0
+        if scaling is not None and scaling.type == "longrope":
+            self.long_prompt_from = scaling.original_max_position_embeddings
+            long_cos, long_sin = rope_cos_sin(head_dim, max_position, theta, scaling, long=True)
+            self.register_buffer("long_cos", long_cos, persistent=False)  # (P, D/2)
+            self.register_buffer("long_sin", long_sin, persistent=False)
 
     def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos, self.sin
+
+    def long_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """longrope's long factors at every position (for the prompts past `long_prompt_from`)."""
+        return self.long_cos, self.long_sin
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return apply_rope(q, k, self.cos, self.sin, positions, self.interleaved)

@@ -28,12 +28,15 @@ def build_batch(chunks: list[ScheduledChunk], blocks: BlockManager, *, first_gro
     positions: list[int] = []
     logits_index: list[int] = []
     decode_lens: list[int] = []
+    long_rope: list[int] = []  # flat indices of the prompt tokens rotated with longrope's long factors
     for c in ordered:
         n = c.length + len(c.draft)
         if c.sample:
             logits_index.extend(range(len(ids) + c.length - 1, len(ids) + n))
         if c.length == 1:
             decode_lens.extend(range(c.start + 1, c.start + 1 + n))
+        if c.seq.long_rope and c.start < len(c.seq.prompt_ids):
+            long_rope.extend(range(len(ids), len(ids) + min(c.length, len(c.seq.prompt_ids) - c.start)))
         ids.extend(c.seq.tokens[c.start:c.start + c.length])
         ids.extend(c.draft)
         positions.extend(range(c.start, c.start + n))
@@ -57,8 +60,15 @@ def build_batch(chunks: list[ScheduledChunk], blocks: BlockManager, *, first_gro
         logits_index=torch.tensor(logits_index, dtype=torch.long),
         groups=tuple(GroupTables(torch.tensor(s, dtype=torch.long), t, c) for s, t, c in groups[1:]),
         layer_groups=() if first_group_only else blocks.layer_groups,
+        long_rope=_mask(len(ids), long_rope) if long_rope else None,
     )
     return batch, ordered
+
+
+def _mask(n: int, indices: list[int]) -> torch.Tensor:
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[indices] = True
+    return mask
 
 
 def _group_tables(ordered: list[ScheduledChunk], blocks: BlockManager, tables: list[list[int]]

@@ -33,6 +33,8 @@ class _Drafting:
 
     request_id: str
     tokens: list[int]
+    # its steps lie past the prompt, where each position's own RoPE table row applies (engine/batch.py)
+    long_rope = False
 
     @property
     def num_tokens(self) -> int:

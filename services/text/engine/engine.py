@@ -264,7 +264,7 @@ class LLMEngine:
             generator=make_generator(params.seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer.decode, prompt_ids),
             stopper=StopChecker(params.stop), on_delta=on_delta, arrival=next(self._arrivals), interactive=interactive,
-            grammar=grammar, adapter=adapter)
+            grammar=grammar, adapter=adapter, long_rope=0 < self.model.rope.long_prompt_from < len(prompt_ids))
         try:
             with self.lock:
                 if request_id in self._seqs:

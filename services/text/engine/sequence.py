@@ -39,6 +39,8 @@ class Sequence:
     draft_computed: int = 0
     adapter: LoraAdapter | None = None  # the LoRA adapter it runs with, held until it finishes
     lora_slot: int = -1  # the runner's slot holding that adapter this step (engine._place_adapters)
+    # its prompt passes longrope's original context: the prompt is rotated with the long factors (shared/blocks/rope.py)
+    long_rope: bool = False
 
     @property
     def tokens(self) -> list[int]:
@@ -50,8 +52,10 @@ class Sequence:
 
     @property
     def cache_salt(self) -> bytes:
-        """What its prefix-cache chain starts from: the adapter's fingerprint, or nothing for the base model."""
-        return self.adapter.fingerprint if self.adapter is not None else b""
+        """What its prefix-cache chain starts from: the adapter's fingerprint, or nothing for the base model; a long
+        prompt's K/V are rotated otherwise (`long_rope`), so they match only their kind."""
+        salt = self.adapter.fingerprint if self.adapter is not None else b""
+        return salt + b"longrope:long" if self.long_rope else salt
 
     @property
     def finished(self) -> bool:

@@ -215,8 +215,10 @@ class CpuRunner:
 
     def execute_logits(self, batch: PagedBatch, *, lora: torch.Tensor | None = None) -> torch.Tensor:
         # Also a speculative verify step: k + 1 decode rows per drafted sequence (engine/batch.py), on the fused step
-        # where it applies.
-        if self.fused is not None and not batch.prefills and batch.n_decode <= FUSED_MAX_TOKENS:
+        # where it applies. Its tables are the per-position ones: a prompt token rotated with longrope's long
+        # factors (a one-token chunk of a long prompt) goes through forward_paged.
+        if self.fused is not None and not batch.prefills and batch.long_rope is None and \
+                batch.n_decode <= FUSED_MAX_TOKENS:
             return self.fused(batch, self.k_caches, self.v_caches, lora)  # (S, V)
         if lora is None:
             return self.model.forward_paged(batch, self.k_caches, self.v_caches)

@@ -187,7 +187,8 @@ class CudaRunner:
 
     def execute(self, batch: PagedBatch, rows: list[SampleRow], *, lora: torch.Tensor | None = None
                 ) -> list[tuple[int, TokenLogprob | None]]:
-        if lora is None and not batch.prefills and self.graphs is not None and batch.n_decode <= self.graphs.max_batch:
+        if lora is None and not batch.prefills and batch.long_rope is None and self.graphs is not None and \
+                batch.n_decode <= self.graphs.max_batch:
             batch = batch.to(self.device)  # the step's one host-to-device copy (PagedBatch.to)
             logits = self.graphs.run(batch)
             if batch.logits_index.numel() != batch.n_decode:

@@ -106,8 +106,8 @@ def _save(arch: str, tmp_path_factory) -> tuple:
     return arch, hf, directory
 
 
-def _hf_greedy(hf, prompt: list[int]) -> list[int]:
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+def _hf_greedy(hf, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     return out[0, len(prompt):].tolist()
 
 
@@ -135,8 +135,9 @@ def test_logits_match_transformers(checkpoint):
     assert (paged - expected.flatten(0, 1)).abs().max().item() <= LOGITS_ATOL
 
 
-def _paged_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    """Every token's logits from forward_paged, both sequences prefilled in one flat batch on a paged cache."""
+def _paged_logits(model, ids: torch.Tensor, long_rope: bool = False) -> torch.Tensor:
+    """Every token's logits from forward_paged, both sequences prefilled in one flat batch on a paged cache
+    (`long_rope`: as prompts past longrope's original context)."""
     cfg = model.config
     heads, width, apart = cfg.kv_cache_layout
     block, n = 4, ids.shape[1]
@@ -149,8 +150,33 @@ def _paged_logits(model, ids: torch.Tensor) -> torch.Tensor:
         input_ids=ids.flatten(), positions=torch.arange(n).repeat(2), slots=slots,
         logits_index=torch.arange(2 * n), decode_tables=torch.zeros(0, per_seq, dtype=torch.int32),
         decode_lens=torch.zeros(0, dtype=torch.int32),
-        prefills=tuple(PrefillChunk(offset=s * n, length=n, start=0, table=tables[s].long()) for s in range(2)))
+        prefills=tuple(PrefillChunk(offset=s * n, length=n, start=0, table=tables[s].long()) for s in range(2)),
+        long_rope=torch.ones(2 * n, dtype=torch.bool) if long_rope else None)
     return model.forward_paged(batch, k_caches, v_caches)
+
+
+def test_a_prompt_past_longropes_original_context_is_rotated_as_transformers_does(tmp_path_factory):
+    """transformers rotates a prompt longer than Phi-3's original context (48 here) with the long factors at every
+    position. So does genserve, per sequence: on the dense and the paged forward, through chunked prefill beside a
+    short prompt, and after the short prompt's blocks, rotated with the short factors, entered the prefix cache
+    (they must not serve the long prompt, whose first 40 tokens are the same)."""
+    _, hf, directory = _build("phi3", tmp_path_factory)
+    model = load_model(directory)
+    ids = torch.randint(0, VOCAB, (2, 60), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = hf(ids).logits
+        assert (model(ids) - expected).abs().max().item() <= LOGITS_ATOL
+        assert (_paged_logits(model, ids, long_rope=True) - expected.flatten(0, 1)).abs().max().item() <= LOGITS_ATOL
+
+    long = ids[0].tolist()
+    short = long[:40]
+    engine = make_engine(directory, block_size=4, max_batched_tokens=24)
+    params = SamplingParams(max_tokens=12, temperature=0)
+    assert engine.config.prefix_caching
+    assert engine.generate_batch([short], [params])[0][1] == _hf_greedy(hf, short, 12)
+    hits = engine.scheduler.hit_tokens
+    assert engine.generate_batch([long, short], [params, params])[0][1] == _hf_greedy(hf, long, 12)
+    assert engine.scheduler.hit_tokens - hits >= 36  # the short prompt hit its own blocks again
 
 
 def test_greedy_generation_matches_transformers_alone_and_in_a_batch(checkpoint, capsys):
