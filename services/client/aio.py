@@ -79,12 +79,14 @@ class AsyncClient:
         request = requests.text_request(prompt, **options)
         return self._stream(self._stubs.text.GenerateStream, "text", request, model=request.adapter)
 
-    async def tokenize(self, text: str = "", *, messages: Sequence[dict[str, str]] = ()) -> text_pb2.TokenizeResponse:
-        request = requests.tokenize_request(text, messages=messages)
+    async def tokenize(self, text: str = "", *, messages: Sequence[dict[str, str]] = (),
+                       model: str | None = None) -> text_pb2.TokenizeResponse:
+        request = requests.tokenize_request(text, messages=messages, model=model)
         return await self._unary(self._stubs.text.Tokenize, "text", request, idempotent=True)
 
-    async def model_info(self) -> text_pb2.ModelInfo:
-        return await self._unary(self._stubs.text.GetModelInfo, "text", text_pb2.ModelInfoRequest(), idempotent=True)
+    async def model_info(self, model: str | None = None) -> text_pb2.ModelInfo:
+        request = requests.model_info_request(model)
+        return await self._unary(self._stubs.text.GetModelInfo, "text", request, idempotent=True)
 
     async def load_adapter(self, name: str, path: str) -> list[str]:
         request = text_pb2.LoadAdapterRequest(name=name, path=path)

@@ -52,6 +52,7 @@ def cmd_text(client: Client, args: argparse.Namespace) -> int:
     options = dict(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=args.stop or (), json_schema=args.json_schema, regex=args.regex, adapter=args.adapter,
+        model=args.model,
     )
     if args.stream:
         for chunk in client.generate_stream(args.prompt, **options):
@@ -75,7 +76,7 @@ def _stream_answer(client: Client, messages: list[dict[str, Any]], args: argpars
     """Print the assistant's answer as it streams in, then each call it made as `call NAME(ARGUMENTS)  [id]`;
     returns the assistant's turn (content and tool_calls) for the history."""
     options = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                   tools=args.tools, tool_choice=args.tool_choice, adapter=args.adapter)
+                   tools=args.tools, tool_choice=args.tool_choice, adapter=args.adapter, model=args.model)
     parts: list[str] = []
     calls: dict[int, dict[str, str]] = {}
     for chunk in client.generate_stream(messages=messages, **options):
@@ -114,7 +115,7 @@ def cmd_chat(client: Client, args: argparse.Namespace) -> int:
     if args.question is not None:
         _stream_answer(client, [*system, {"role": "user", "content": args.question}], args)
         return 0
-    print(f"chatting with {client.model_info().model_name} at {client.address}; /reset forgets, Ctrl-D quits",
+    print(f"chatting with {client.model_info(args.model).model_name} at {client.address}; /reset forgets, Ctrl-D quits",
           file=sys.stderr)
     history = list(system)
     while True:
@@ -132,13 +133,13 @@ def cmd_chat(client: Client, args: argparse.Namespace) -> int:
 
 
 def cmd_tokenize(client: Client, args: argparse.Namespace) -> int:
-    reply = client.tokenize(args.text)
+    reply = client.tokenize(args.text, model=args.model)
     print(json.dumps({"token_ids": list(reply.token_ids), "tokens": list(reply.tokens)}))
     return 0
 
 
 def cmd_info(client: Client, args: argparse.Namespace) -> int:
-    info = client.model_info()
+    info = client.model_info(args.model)
     for field in info.DESCRIPTOR.fields:
         print(f"{field.name:16} {getattr(info, field.name)}")
     return 0
@@ -252,6 +253,8 @@ def _client_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--adapter", help="a loaded LoRA adapter (`genserve adapters list`); default: the base model")
+    p.add_argument("--model", help="one of the text app's further base models (`genserve info` lists them); "
+                                   "default: its first")
     grammar = p.add_mutually_exclusive_group()
     grammar.add_argument("--json-schema", help="a JSON Schema (as JSON text) the output must satisfy")
     grammar.add_argument("--regex", help="a regular expression the whole output must match")
@@ -272,13 +275,19 @@ def _client_parsers(sub: argparse._SubParsersAction) -> None:
                    help="a JSON list of OpenAI function tools the model may call; its calls are printed")
     p.add_argument("--tool-choice", help="auto (default with --tools), none, required, or a tool's name")
     p.add_argument("--adapter", help="a loaded LoRA adapter (`genserve adapters list`); default: the base model")
+    p.add_argument("--model", help="one of the text app's further base models (`genserve info` lists them); "
+                                   "default: its first")
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("tokenize", help="token ids of a text (TextGeneration.Tokenize)", parents=common)
     p.add_argument("text")
+    p.add_argument("--model", help="one of the text app's further base models (`genserve info` lists them); "
+                                   "default: its first")
     p.set_defaults(func=cmd_tokenize)
 
     p = sub.add_parser("info", help="the served text model (TextGeneration.GetModelInfo)", parents=common)
+    p.add_argument("--model", help="one of the text app's further base models (`genserve info` lists them); "
+                                   "default: its first")
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("adapters", parents=common,

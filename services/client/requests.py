@@ -41,10 +41,12 @@ def text_request(
     enable_thinking: bool | None = None,
     reasoning_effort: str | None = None,
     adapter: str | None = None,
+    model: str | None = None,
 ) -> text_pb2.TextRequest:
     """`tools`: OpenAI's function tools ({"type": "function", "function": {...}}) or their `function` objects;
     `tool_choice`: "auto", "none", "required" or a tool's name. Messages may carry `tool_calls` ({id, name,
-    arguments}) and `tool_call_id`. `adapter`: a loaded LoRA adapter's name (None: the base model)."""
+    arguments}) and `tool_call_id`. `adapter`: a loaded LoRA adapter's name (None: the base model). `model`: one of
+    the text app's further base models (ModelInfo.models; None: its first)."""
     request = text_pb2.TextRequest(
         prompt=prompt, messages=[text_pb2.ChatMessage(**m) for m in messages], stop=list(stop),
         tools=[tool_message(t) for t in tools],
@@ -58,7 +60,7 @@ def text_request(
         repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, logprobs=logprobs, json_schema=json_schema, regex=regex,
         parallel_tool_calls=parallel_tool_calls, enable_thinking=enable_thinking, reasoning_effort=reasoning_effort,
-        adapter=adapter,
+        adapter=adapter, model=model,
     )
     return request
 
@@ -71,8 +73,17 @@ def tool_message(tool: dict[str, Any]) -> text_pb2.Tool:
                          parameters=json.dumps(parameters) if parameters is not None else "")
 
 
-def tokenize_request(text: str = "", *, messages: Sequence[dict[str, str]] = ()) -> text_pb2.TokenizeRequest:
-    return text_pb2.TokenizeRequest(text=text, messages=[text_pb2.ChatMessage(**m) for m in messages])
+def tokenize_request(text: str = "", *, messages: Sequence[dict[str, str]] = (),
+                     model: str | None = None) -> text_pb2.TokenizeRequest:
+    request = text_pb2.TokenizeRequest(text=text, messages=[text_pb2.ChatMessage(**m) for m in messages])
+    _set(request, model=model)
+    return request
+
+
+def model_info_request(model: str | None = None) -> text_pb2.ModelInfoRequest:
+    request = text_pb2.ModelInfoRequest()
+    _set(request, model=model)
+    return request
 
 
 def gan_sample_request(

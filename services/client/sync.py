@@ -124,12 +124,15 @@ class Client:
         request = requests.text_request(prompt, **options)
         return self._stream(self._stubs.text.GenerateStream, "text", request, model=request.adapter)
 
-    def tokenize(self, text: str = "", *, messages: Sequence[dict[str, str]] = ()) -> text_pb2.TokenizeResponse:
-        request = requests.tokenize_request(text, messages=messages)
+    def tokenize(self, text: str = "", *, messages: Sequence[dict[str, str]] = (),
+                 model: str | None = None) -> text_pb2.TokenizeResponse:
+        request = requests.tokenize_request(text, messages=messages, model=model)
         return self._unary(self._stubs.text.Tokenize, "text", request, idempotent=True)
 
-    def model_info(self) -> text_pb2.ModelInfo:
-        return self._unary(self._stubs.text.GetModelInfo, "text", text_pb2.ModelInfoRequest(), idempotent=True)
+    def model_info(self, model: str | None = None) -> text_pb2.ModelInfo:
+        """The text app's first model, or its further base model `model` (ModelInfo.models lists them)."""
+        request = requests.model_info_request(model)
+        return self._unary(self._stubs.text.GetModelInfo, "text", request, idempotent=True)
 
     def load_adapter(self, name: str, path: str) -> list[str]:
         """Load the LoRA adapter folder `path` (under the server's lora.root) as `name`; the adapters loaded after.

@@ -131,7 +131,7 @@ class ServiceMetrics:
     def __init__(self, service: str):
         self.service = service
         self._ongoing = 0
-        self._reported: dict[str, int] = {}  # the engine totals already added to their counters
+        self._reported: dict[tuple[str, str], int] = {}  # (engine, total) -> what its counter has had
 
     def request_started(self) -> None:
         self._ongoing += 1
@@ -158,16 +158,17 @@ class ServiceMetrics:
     def kv_free_blocks(self, n: int) -> None:
         _registry().kv_free.set(n, tags={"service": self.service})
 
-    def engine_totals(self, hit_tokens: int, queried_tokens: int, preemptions: int) -> None:
-        """Bring the engine's counters (prefix-cache tokens, preemptions) up to its running totals since start-up."""
+    def engine_totals(self, hit_tokens: int, queried_tokens: int, preemptions: int, engine: str = "") -> None:
+        """Bring the counters (prefix-cache tokens, preemptions) up to the running totals since start-up of the
+        replica's engine `engine` (a text app serves one per base model; the counters sum them)."""
         reg, tags = _registry(), {"service": self.service}
         for name, counter, total in (("hit_tokens", reg.prefix_hits, hit_tokens),
                                      ("queried_tokens", reg.prefix_queries, queried_tokens),
                                      ("preemptions", reg.preemptions, preemptions)):
-            reported = self._reported.get(name, 0)
+            reported = self._reported.get((engine, name), 0)
             if total > reported:
                 counter.inc(total - reported, tags=tags)
-                self._reported[name] = total
+                self._reported[engine, name] = total
 
     def denoising_step(self, seconds: float) -> None:
         reg = _registry()

@@ -1,6 +1,7 @@
 """The `http` application: an OpenAI-compatible HTTP API on Ray Serve's HTTP proxy, as a FastAPI ingress.
 
-    GET  /v1/models                 the served generative models: `text`, its loaded LoRA adapters, `diffusion`
+    GET  /v1/models                 the served generative models: `text`, the text app's further base models, its
+                                    loaded LoRA adapters, `diffusion`
     POST /v1/completions            text completions, unary or streamed (server-sent events ending in [DONE])
     POST /v1/chat/completions       chat (the text service applies the model's chat template), unary or streamed
     POST /v1/load_lora_adapter      vLLM's admin routes: load a LoRA adapter of the text model ({lora_name,
@@ -12,8 +13,9 @@
 Every route first admits its caller (services/common/gate.py): the `authorization: Bearer <key>` header (what the
 openai SDK sends for api_key=), the peer rule without keys, and the rate limits of this app's `rate_limits` arg;
 401 and 429 (with Retry-After) are OpenAI error objects like the rest. /openapi.json stays open. A text body's
-`model` is `text` (the base model) or a LoRA adapter's name, sent to the text app as TextRequest.adapter and as Ray
-Serve's multiplexed model id, so that Serve prefers a replica that already holds the adapter.
+`model` is `text` (the text app's first model), one of its further base models (serve config `models`, sent as
+TextRequest.model), or a LoRA adapter's name, sent as TextRequest.adapter and as Ray Serve's multiplexed model id, so
+that Serve prefers a replica that already holds the adapter.
 
 It loads no model: it reaches the `text` and `diffusion` applications through deployment handles with the same
 protobuf requests a gRPC client sends, so validation and limits are theirs, and the latents still go through `vae`.
@@ -23,6 +25,7 @@ and the diffusion loop stops at its next step. Errors are OpenAI error objects (
 
 # No `from __future__ import annotations` here: FastAPI reads the routes' parameter types at runtime (through
 # serve.ingress), and string annotations would turn the bodies into query parameters.
+import asyncio
 import contextlib
 import logging
 import time
@@ -58,12 +61,15 @@ from genserve.services.http.schemas import (
     UnloadLoraBody,
 )
 from genserve.services.http.streams import batches, merge
-from genserve.services.text.schema import ADAPTER_NAME
+from genserve.services.text.schema import ADAPTER_NAME, IMAGE_MODEL_ID
 from genserve.services.text.schema import KNOWN_ERRORS as TEXT_ERRORS
 from genserve.v1 import text_pb2
 
 logger = logging.getLogger("ray.serve")
-TEXT_MODEL, IMAGE_MODEL = text.BASE_MODEL, "diffusion"
+TEXT_MODEL, IMAGE_MODEL = text.BASE_MODEL, IMAGE_MODEL_ID
+# How long a read of the text app's further base models (ModelInfo.models) answers for a `model` it lacks, before
+# it is read again (the list changes only when the text app is deployed again).
+TEXT_MODELS_TTL_S = 5.0
 # The admin routes' names for LoadAdapterRequest's fields.
 LORA_FIELDS = {"name": "lora_name", "path": "lora_path"}
 UNION_TAGS = {"str", "int", "float", "bool", "list", "dict"}
@@ -209,6 +215,8 @@ class OpenAIApi:
         self.responses = responses.ResponseStore(settings.responses_max_count, settings.responses_ttl_s)
         self.created = int(time.time())
         self._handles: dict[str, Any] = {}
+        self._text_models: frozenset[str] = frozenset()
+        self._text_models_read = -TEXT_MODELS_TTL_S
         self._image_size: tuple[int, int] | None = None
         self.playground = playground_api.Playground(self._handle)
 
@@ -217,11 +225,19 @@ class OpenAIApi:
             self._handles[app] = handle_to(app)
         return self._handles[app]
 
-    def _text_handle(self, model: str) -> Any:
-        """The text app's handle for a body's `model`: an adapter's name is also the multiplexed model id, so that
+    async def _target(self, model: str) -> dict[str, str]:
+        """A text body's `model` as TextRequest fields: the first model, a further base model, or an adapter."""
+        if model != TEXT_MODEL and model not in self._text_models and \
+                time.monotonic() - self._text_models_read > TEXT_MODELS_TTL_S:
+            info = await self._handle("text").GetModelInfo.remote(text_pb2.ModelInfoRequest())
+            self._text_models, self._text_models_read = frozenset(info.models), time.monotonic()
+        return text.model_fields(model, self._text_models)
+
+    def _text_handle(self, target: Mapping[str, str]) -> Any:
+        """The text app's handle for a body's `target`: an adapter's name is also the multiplexed model id, so that
         Serve routes the call to a replica that holds the adapter where one does."""
         handle = self._handle("text")
-        return handle if model == TEXT_MODEL else handle.options(multiplexed_model_id=model)
+        return handle.options(multiplexed_model_id=target["adapter"]) if "adapter" in target else handle
 
     def _admit(self, request: Request, *, admin: bool = False) -> Ticket:
         """The caller's ticket; Unauthenticated / PermissionDenied (`admin`: an admin route without an admin key) /
@@ -243,14 +259,18 @@ class OpenAIApi:
     @api.get("/v1/models", responses=ERRORS)
     async def models(self, request: Request) -> dict[str, Any]:
         self._admit(request)
-        info = await self._handle("text").GetModelInfo.remote(text_pb2.ModelInfoRequest())
-        # tool_format: how the text model takes tools (its template's family, or "generic"); reasoning: it thinks.
-        text_entry = _model_entry(TEXT_MODEL, self.created, info.model_name) | {"tool_format": info.tool_format,
-                                                                                "reasoning": info.reasoning}
+        text_app = self._handle("text")
+        info = await text_app.GetModelInfo.remote(text_pb2.ModelInfoRequest())
+        further = await asyncio.gather(*(text_app.GetModelInfo.remote(text_pb2.ModelInfoRequest(model=name))
+                                         for name in info.models))
+        # tool_format: how a text model takes tools (its template's family, or "generic"); reasoning: it thinks.
+        bases = [_model_entry(model_id, self.created, i.model_name) | {"tool_format": i.tool_format,
+                                                                       "reasoning": i.reasoning}
+                 for model_id, i in zip([TEXT_MODEL, *info.models], [info, *further], strict=True)]
         # As vLLM lists them: each adapter with the base model as its parent.
         adapters = [_model_entry(name, self.created, name) | {"parent": TEXT_MODEL} for name in info.adapters]
         return {"object": "list",
-                "data": [text_entry, *adapters, _model_entry(IMAGE_MODEL, self.created, IMAGE_MODEL)]}
+                "data": [*bases, *adapters, _model_entry(IMAGE_MODEL, self.created, IMAGE_MODEL)]}
 
     @api.post("/v1/load_lora_adapter", responses=ERRORS)
     async def load_lora_adapter(self, body: LoadLoraBody, request: Request) -> Response:
@@ -308,19 +328,21 @@ class OpenAIApi:
     # ---- text ---------------------------------------------------------------------------------------------
     async def _text(self, body: ChatBody | CompletionBody, ticket: Ticket, chat: bool) -> Response:
         _check_text_model(body.model, "/v1/chat/completions" if chat else "/v1/completions")
-        job = text.chat_job(body) if chat else text.completion_job(body)
+        target = await self._target(body.model)
+        job = text.chat_job(body, target) if chat else text.completion_job(body, target)
         if body.stream:
-            return await self._text_stream(body, job, ticket, chat)
-        return await self._text_unary(body, job, ticket, chat)
+            return await self._text_stream(body, job, target, ticket, chat)
+        return await self._text_unary(body, job, target, ticket, chat)
 
     async def _token_texts(self, job: text.TextJob, logprobs: list) -> dict[int, str]:
         if job.top_logprobs is None:
             return {}
-        return await self._handle("text").token_texts.remote(sorted(text.logprob_ids(logprobs)))
+        return await self._handle("text").token_texts.remote(sorted(text.logprob_ids(logprobs)),
+                                                             job.requests[0].model)
 
-    async def _text_unary(self, body: ChatBody | CompletionBody, job: text.TextJob, ticket: Ticket,
-                          chat: bool) -> Response:
-        responses = [self._text_handle(body.model).Generate.remote(r) for r in job.requests]
+    async def _text_unary(self, body: ChatBody | CompletionBody, job: text.TextJob, target: Mapping[str, str],
+                          ticket: Ticket, chat: bool) -> Response:
+        responses = [self._text_handle(target).Generate.remote(r) for r in job.requests]
         try:
             replies = [await r for r in responses]
         except BaseException:
@@ -333,11 +355,11 @@ class OpenAIApi:
         reply = text.chat_reply if chat else text.completion_reply
         return JSONResponse(reply(body.model, job, replies, texts))
 
-    async def _text_stream(self, body: ChatBody | CompletionBody, job: text.TextJob, ticket: Ticket,
-                           chat: bool) -> Response:
+    async def _text_stream(self, body: ChatBody | CompletionBody, job: text.TextJob, target: Mapping[str, str],
+                           ticket: Ticket, chat: bool) -> Response:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         writer = text.ChunkWriter(chat, body.model, job, include_usage)
-        handle = self._text_handle(body.model).options(stream=True)
+        handle = self._text_handle(target).options(stream=True)
         streams = [handle.GenerateStream.remote(r) for r in job.requests]
         chunks = merge(streams)
 
@@ -399,9 +421,10 @@ class OpenAIApi:
 
     async def _responses(self, body: ResponsesBody, ticket: Ticket) -> Response:
         _check_text_model(body.model, "/v1/responses")
-        turn = responses.prepare(body, self.responses)
+        target = await self._target(body.model)
+        turn = responses.prepare(body, self.responses, target)
         if not body.stream:
-            call = self._text_handle(body.model).Generate.remote(turn.request)
+            call = self._text_handle(target).Generate.remote(turn.request)
             try:
                 reply = await call
             except BaseException:
@@ -409,7 +432,7 @@ class OpenAIApi:
                 raise
             ticket.charge(reply)
             return JSONResponse(responses.reply_object(turn, reply, self.responses))
-        stream = self._text_handle(body.model).options(stream=True).GenerateStream.remote(turn.request)
+        stream = self._text_handle(target).options(stream=True).GenerateStream.remote(turn.request)
         events = responses.events(turn, stream, self.responses, ticket.charge)
         try:  # the first events wait for the first chunk: an error up to there gets its own status
             first = [await anext(events) for _ in range(3)]

@@ -14,7 +14,7 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,13 +170,14 @@ class Turn:
         return response
 
 
-def prepare(body: ResponsesBody, store: ResponseStore) -> Turn:
+def prepare(body: ResponsesBody, store: ResponseStore, target: Mapping[str, str] | None = None) -> Turn:
     """The body's TextRequest: the stored conversation of previous_response_id (its instructions are not carried
-    over, as at OpenAI), this body's instructions as the system message, then its input."""
+    over, as at OpenAI), this body's instructions as the system message, then its input. `target`: the body's model
+    as TextRequest fields (text.model_fields; None: as if the text app had one base model)."""
     earlier = store.get(body.previous_response_id).conversation if body.previous_response_id else []
     conversation = [*earlier, *input_messages(body.input)]
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    source: dict[str, Any] = {"messages": [*system, *conversation], **text.adapter_field(body.model)}
+    source: dict[str, Any] = {"messages": [*system, *conversation], **text.target_fields(body.model, target)}
     choice = body.tool_choice
     named = choice if choice is not None and not isinstance(choice, str) else None
     source |= text.tool_fields([t.model_dump() for t in body.tools or []], "function" if named else choice,

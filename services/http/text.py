@@ -10,18 +10,19 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from genserve.services.common.errors import InvalidArgument
 from genserve.services.http.schemas import MAX_CHOICES, ChatBody, ChatMessage, CompletionBody, Sampling
-from genserve.services.text.schema import TextIn
+from genserve.services.text.schema import TEXT_MODEL_ID, TextIn
 from genserve.shared.seeds import MAX_SEED
 from genserve.v1 import text_pb2
 
-# The base model's id in the OpenAI API; any other `model` of a text body names a LoRA adapter of the text service.
-BASE_MODEL = "text"
+# The text app's first model's id in the OpenAI API; any other `model` of a text body names one of its further base
+# models (serve config `models`) or a LoRA adapter.
+BASE_MODEL = TEXT_MODEL_ID
 # The engine's finish reasons in OpenAI's words.
 FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length", "context_length": "length",
                  "tool_calls": "tool_calls"}
@@ -39,9 +40,17 @@ class TextJob:
     top_logprobs: int | None
 
 
-def adapter_field(model: str) -> dict[str, str]:
-    """TextRequest's `adapter` for a body's `model`: none for the base model, else the adapter of that name."""
-    return {} if model == BASE_MODEL else {"adapter": model}
+def model_fields(model: str, served: Collection[str]) -> dict[str, str]:
+    """TextRequest's `model` or `adapter` for a body's `model`: neither for the first model, `model` for one of the
+    text app's further base models (`served`, ModelInfo.models), else `adapter`: the LoRA adapter of that name."""
+    if model == BASE_MODEL:
+        return {}
+    return {"model": model} if model in served else {"adapter": model}
+
+
+def target_fields(model: str, target: Mapping[str, str] | None) -> Mapping[str, str]:
+    """`target`, or, where the caller has none, `model` read as if the text app had one base model."""
+    return model_fields(model, ()) if target is None else target
 
 
 def body_fields(body: ChatBody | CompletionBody) -> dict[str, str]:
@@ -136,10 +145,11 @@ def tool_fields(tools: list[dict[str, Any]] | None, choice: str | None, name: st
     return out
 
 
-def chat_job(body: ChatBody) -> TextJob:
+def chat_job(body: ChatBody, target: Mapping[str, str] | None = None) -> TextJob:
+    """`target`: the body's model as TextRequest fields (model_fields; None: as if the app had one base model)."""
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidArgument("top_logprobs", "needs logprobs: true")
-    source: dict[str, Any] = {"messages": [_message(m) for m in body.messages], **adapter_field(body.model)}
+    source: dict[str, Any] = {"messages": [_message(m) for m in body.messages], **target_fields(body.model, target)}
     choice = body.tool_choice
     named = choice if choice is not None and not isinstance(choice, str) else None
     source |= tool_fields([t.function.model_dump() for t in body.tools or []],
@@ -155,7 +165,7 @@ def chat_job(body: ChatBody) -> TextJob:
                    (body.top_logprobs or 0) if body.logprobs else None)
 
 
-def completion_job(body: CompletionBody) -> TextJob:
+def completion_job(body: CompletionBody, target: Mapping[str, str] | None = None) -> TextJob:
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     if not prompts:
         raise InvalidArgument("prompt", "must not be empty")
@@ -163,7 +173,7 @@ def completion_job(body: CompletionBody) -> TextJob:
         raise InvalidArgument("n", f"prompts times n must be at most {MAX_CHOICES}")
     asked = body.logprobs is not None
     sampling = _sampling(body, body.max_tokens, _logprobs_in(body.logprobs, asked))
-    sources = [{"prompt": p, **adapter_field(body.model)} for p in prompts]
+    sources = [{"prompt": p, **target_fields(body.model, target)} for p in prompts]
     return TextJob(_requests(sources, sampling, body.n), body.n, body.logprobs if asked else None)
 
 

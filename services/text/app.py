@@ -3,6 +3,9 @@
 Each handler validates the request (pydantic), hands token ids to `AsyncLLMEngine` and turns its `Delta`s into
 protobuf; streaming sends every delta as the engine produces it. Errors become statuses in services/common.
 
+Several base models (serve config `models`): each replica holds one engine per model; a request's `model` picks
+one, and unset picks the first (`model_dir`), the only one that takes LoRA adapters.
+
 LoRA adapters (serve config `lora`): LoadAdapter / UnloadAdapter need an admin key when keys are set
 (services/common/gate.py). With `lora`, the app also runs AdapterNames (services/text/adapter_names.py), the one
 record of the adapters' names that every replica follows before a request uses an adapter.
@@ -49,8 +52,10 @@ from genserve.services.text.schema import (
     PROMPT_BYTES_PER_TOKEN,
     ChatMessageIn,
     LoadAdapterIn,
+    ModelInfoIn,
     TextIn,
     TokenizeIn,
+    UnknownModel,
     UnloadAdapterIn,
     check_conversation,
 )
@@ -75,8 +80,10 @@ CALL_ENDINGS = ("eos", "stop")
 
 @dataclass(frozen=True)
 class Prepared:
-    """A validated request: its prompt, sampling, and how to read its reply (`tool_format` None: no calls)."""
+    """A validated request: its engine, prompt, sampling, and how to read its reply (`tool_format` None: no calls)."""
 
+    model: str
+    engine: AsyncLLMEngine
     prompt_ids: list[int]
     params: SamplingParams
     tool_format: str | None
@@ -150,24 +157,36 @@ class TextGeneration:
         self.names = adapter_names
         self.engine = AsyncLLMEngine.from_dir(model_dir, dtype=settings.dtype, config=settings.engine_config(),
                                               stall_s=settings.stall_seconds)
+        further = settings.engine_config(first=False)
+        # "" is the first model, as an unset TextRequest.model
+        self.engines = {"": self.engine} | {
+            name: AsyncLLMEngine.from_dir(path, dtype=settings.dtype, config=further, stall_s=settings.stall_seconds)
+            for name, path in sorted(settings.models.items())}
         self.metrics.cpu_kernels(self.engine.engine.runner.cpu_kernels)
         freeze_loaded_objects()
-        self.max_prompt_bytes = PROMPT_BYTES_PER_TOKEN * self.engine.max_context
         # The grammar engine loads in seconds: in the background, so the first structured request need not wait.
-        threading.Thread(target=self.engine.engine.grammars.warm_up, name="genserve-grammar-warm-up",
-                         daemon=True).start()
+        for engine in self.engines.values():
+            threading.Thread(target=engine.engine.grammars.warm_up, name="genserve-grammar-warm-up",
+                             daemon=True).start()
 
-    def _prompt_ids(self, prompt: str, messages: list[ChatMessageIn], field: str = "prompt",
-                    req: TextIn | None = None) -> tuple[list[int], str]:
+    def _engine(self, model: str) -> AsyncLLMEngine:
+        if model not in self.engines:
+            served = ", ".join(repr(name) for name in self.engines if name) or "none"
+            raise UnknownModel(f"model {model!r} is not served here (the further models: {served}; unset: the first)")
+        return self.engines[model]
+
+    def _prompt_ids(self, engine: AsyncLLMEngine, prompt: str, messages: list[ChatMessageIn],
+                    field: str = "prompt", req: TextIn | None = None) -> tuple[list[int], str]:
         """The prompt's token ids and, for a chat, the rendered prompt text (tools and tool turns included)."""
         tools = req.tools if req is not None else []
         size = len(prompt.encode()) + sum(len(m.content.encode()) + sum(len(c.arguments) for c in m.tool_calls)
                                           for m in messages) + sum(len(t.parameters) for t in tools)
-        if size > self.max_prompt_bytes:
+        max_bytes = PROMPT_BYTES_PER_TOKEN * engine.max_context
+        if size > max_bytes:
             raise InvalidArgument("messages" if messages else field,
-                                  f"{size} bytes is more than this model's {self.engine.max_context}-token context "
-                                  f"can hold (at most {self.max_prompt_bytes} bytes)")
-        tokenizer = self.engine.tokenizer
+                                  f"{size} bytes is more than this model's {engine.max_context}-token context "
+                                  f"can hold (at most {max_bytes} bytes)")
+        tokenizer = engine.tokenizer
         if not messages:
             return tokenizer.encode(prompt), ""
         try:
@@ -178,16 +197,19 @@ class TextGeneration:
 
     def _prepare(self, request: text_pb2.TextRequest) -> Prepared:
         req = parse(TextIn, request)
+        engine = self._engine(req.model)
+        if req.model and req.adapter:
+            raise InvalidArgument("adapter", f"LoRA adapters apply to the app's first model, not to {req.model!r}")
         check_conversation(req.messages)
-        prompt_ids, text = self._prompt_ids(req.prompt, req.messages, req=req)
+        prompt_ids, text = self._prompt_ids(engine, req.prompt, req.messages, req=req)
         if not prompt_ids:
             raise InvalidArgument("prompt", "encodes to no tokens")
-        tokenizer = self.engine.tokenizer
+        tokenizer = engine.tokenizer
         fmt = tokenizer.tool_format
         grammar = _tool_grammar(fmt, req)
-        params = req.sampling_params(room=self.engine.max_context - len(prompt_ids), grammar=grammar)
-        return Prepared(prompt_ids, params, fmt if req.tool_mode != "none" else None, tokenizer.reasoning,
-                        tokenizer.reasoning and opens_thinking(text))
+        params = req.sampling_params(room=engine.max_context - len(prompt_ids), grammar=grammar)
+        return Prepared(req.model, engine, prompt_ids, params, fmt if req.tool_mode != "none" else None,
+                        tokenizer.reasoning, tokenizer.reasoning and opens_thinking(text))
 
     # ---- LoRA adapters ----------------------------------------------------------------------------------------
     async def _follow_names(self, name: str) -> None:
@@ -245,20 +267,26 @@ class TextGeneration:
             raise AdapterNotFound(f"adapter {req.name!r} is not loaded")
         return text_pb2.AdaptersResponse(adapters=await self._adapter_names())
 
-    async def _deltas(self, prompt_ids: list[int], params: SamplingParams, method: str) -> AsyncIterator[Delta]:
+    def _report(self, model: str) -> None:
+        """The engine's gauges and running totals to the metrics (free KV blocks: the first model's only)."""
+        engine = self.engines[model]
+        if not model:
+            self.metrics.kv_free_blocks(engine.kv_blocks_free)
+        self.metrics.engine_totals(**dataclasses.asdict(engine.engine.counters()), engine=model)
+
+    async def _deltas(self, job: Prepared, method: str) -> AsyncIterator[Delta]:
         """The engine's deltas as they come; closing this generator aborts the request in the engine."""
         start, first = time.perf_counter(), True
         live = method == "GenerateStream"  # a unary reply is read whole: its tokens may come in lookahead bursts
-        async with contextlib.aclosing(self.engine.stream(prompt_ids, params, uuid.uuid4().hex,
-                                                          interactive=live)) as stream:
+        async with contextlib.aclosing(job.engine.stream(job.prompt_ids, job.params, uuid.uuid4().hex,
+                                                         interactive=live)) as stream:
             async for delta in stream:
                 if first and delta.token_ids:
                     self.metrics.first_token(method, time.perf_counter() - start)
                     first = False
                 self.metrics.tokens(len(delta.token_ids))
                 yield delta
-        self.metrics.kv_free_blocks(self.engine.kv_blocks_free)
-        self.metrics.engine_totals(**dataclasses.asdict(self.engine.engine.counters()))
+        self._report(job.model)
 
     @unary(text_pb2.TextRequest, text_pb2.TextResponse)
     async def Generate(self, request: text_pb2.TextRequest) -> text_pb2.TextResponse:
@@ -266,7 +294,7 @@ class TextGeneration:
         await self._follow_names(job.params.adapter)
         reply = text_pb2.TextResponse(prompt_tokens=len(job.prompt_ids), seed=job.params.seed)
         texts: list[str] = []
-        async with contextlib.aclosing(self._deltas(job.prompt_ids, job.params, "Generate")) as deltas:
+        async with contextlib.aclosing(self._deltas(job, "Generate")) as deltas:
             async for delta in deltas:
                 texts.append(delta.text)
                 reply.token_ids.extend(delta.token_ids)
@@ -284,7 +312,7 @@ class TextGeneration:
         job = self._prepare(request)
         await self._follow_names(job.params.adapter)
         reader = StreamParser(job.tool_format, job.new_call_id, reasoning=job.reasoning, thinking=job.thinking)
-        async with contextlib.aclosing(self._deltas(job.prompt_ids, job.params, "GenerateStream")) as deltas:
+        async with contextlib.aclosing(self._deltas(job, "GenerateStream")) as deltas:
             async for delta in deltas:
                 piece = reader.feed(delta.text, final=bool(delta.finish_reason))
                 yield text_pb2.TextChunk(
@@ -300,39 +328,45 @@ class TextGeneration:
     @unary(text_pb2.TokenizeRequest, text_pb2.TokenizeResponse)
     async def Tokenize(self, request: text_pb2.TokenizeRequest) -> text_pb2.TokenizeResponse:
         req = parse(TokenizeIn, request)
-        ids, _ = self._prompt_ids(req.text, req.messages, "text")
-        decode = self.engine.tokenizer.decode
+        engine = self._engine(req.model)
+        ids, _ = self._prompt_ids(engine, req.text, req.messages, "text")
+        decode = engine.tokenizer.decode
         return text_pb2.TokenizeResponse(token_ids=ids, tokens=[decode([i], skip_special_tokens=False) for i in ids])
 
     @unary(text_pb2.ModelInfoRequest, text_pb2.ModelInfo)
     async def GetModelInfo(self, request: text_pb2.ModelInfoRequest) -> text_pb2.ModelInfo:
-        info = self.engine.info()
-        self.metrics.kv_free_blocks(info["kv_blocks_free"])
-        self.metrics.engine_totals(**dataclasses.asdict(self.engine.engine.counters()))
+        model = parse(ModelInfoIn, request).model
+        engine = self._engine(model)
+        info = engine.info()
+        self._report(model)
         fields = text_pb2.ModelInfo.DESCRIPTOR.fields_by_name
-        tokenizer = self.engine.tokenizer
+        tokenizer = engine.tokenizer
         return text_pb2.ModelInfo(**{k: v for k, v in info.items() if k in fields},
                                   tool_format=tokenizer.tool_format, reasoning=tokenizer.reasoning,
-                                  adapters=await self._adapter_names())
+                                  adapters=await self._adapter_names() if not model else [],
+                                  models=[name for name in self.engines if name])
 
-    def token_texts(self, token_ids: list[int]) -> dict[int, str]:
-        """Each token's text decoded on its own, as Tokenize's `tokens` (a deployment-handle method for the HTTP
-        API's logprobs, not an RPC)."""
-        decode = self.engine.tokenizer.decode
+    def token_texts(self, token_ids: list[int], model: str = "") -> dict[int, str]:
+        """Each token's text decoded on its own by base model `model`'s tokenizer, as Tokenize's `tokens` (a
+        deployment-handle method for the HTTP API's logprobs, not an RPC)."""
+        decode = self._engine(model).tokenizer.decode
         return {i: decode([i], skip_special_tokens=False) for i in token_ids}
 
     def check_health(self) -> None:
         """Ray Serve's replica health check: a failed or stalled engine loop gets the replica replaced."""
-        if self.engine.error is not None:
-            raise RuntimeError(f"text engine failed: {type(self.engine.error).__name__}")
-        if self.engine.stalled:
-            raise RuntimeError(f"text engine stalled: no step finished for {self.engine.progress.stall_s:.0f} s "
-                               "while requests wait")
+        for model, engine in self.engines.items():
+            which = f"text engine {model!r}" if model else "text engine"
+            if engine.error is not None:
+                raise RuntimeError(f"{which} failed: {type(engine.error).__name__}")
+            if engine.stalled:
+                raise RuntimeError(f"{which} stalled: no step finished for {engine.progress.stall_s:.0f} s "
+                                   "while requests wait")
 
     @unary(health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse)
     async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
-        """NOT_SERVING once the engine's step loop has failed or stalled (requests would fail or wait forever)."""
-        return health.check(request, SERVICE, serving=self.engine.error is None and not self.engine.stalled)
+        """NOT_SERVING once an engine's step loop has failed or stalled (requests would fail or wait forever)."""
+        serving = all(engine.error is None and not engine.stalled for engine in self.engines.values())
+        return health.check(request, SERVICE, serving=serving)
 
 
 def build(args: dict[str, Any] | None = None) -> Application:

@@ -57,6 +57,8 @@ REASONING_EFFORTS = ("", "low", "medium", "high")
 # (gRPC metadata), so printable ASCII only, as Hugging Face repo ids ("org/name-lora") are.
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 ADAPTER_NAME_RULE = "1..128 of A-Z a-z 0-9 . _ - : / @ +, starting with a letter or digit"
+# The OpenAI API's ids of the text app's first model and of the image model (services/http/app.py).
+TEXT_MODEL_ID, IMAGE_MODEL_ID = "text", "diffusion"
 MAX_ADAPTER_PATH = 4096
 
 
@@ -64,6 +66,15 @@ def _adapter_name(name: str) -> str:
     if not ADAPTER_NAME.fullmatch(name):
         raise ValueError(f"must be {ADAPTER_NAME_RULE}")
     return name
+
+
+def _name_or_empty(name: str) -> str:
+    """A model's or adapter's name (the same rule: both are OpenAI `model` ids); "": the app's first model."""
+    return _adapter_name(name) if name else name
+
+
+class UnknownModel(LookupError):
+    """A request names a base model that the text app does not serve (NOT_FOUND, naming it)."""
 
 
 def _json_object(text: str, what: str) -> dict:
@@ -192,11 +203,9 @@ class TextIn(Request):
     reasoning_effort: str = ""
     adapter: str = ""  # a loaded LoRA adapter's name; "": the base model
     speculative: bool = True  # False: never drafted for (engine/speculative.py); the output is the same
+    model: str = ""  # one of the app's further base models (serve config `models`); "": its first model
 
-    @field_validator("adapter")
-    @classmethod
-    def _adapter_name_or_base(cls, adapter: str) -> str:
-        return _adapter_name(adapter) if adapter else adapter
+    _names = field_validator("adapter", "model")(_name_or_empty)
 
     @field_validator("temperature")
     @classmethod
@@ -306,7 +315,13 @@ def check_conversation(messages: list[ChatMessageIn]) -> None:
                                   f"{message.tool_call_id!r} answers no tool call of an earlier assistant message")
 
 
-class TokenizeIn(Request):
+class ModelInfoIn(Request):
+    model: str = ""
+
+    _model = field_validator("model")(_name_or_empty)
+
+
+class TokenizeIn(ModelInfoIn):
     messages: list[ChatMessageIn] = Field(default_factory=list, max_length=MAX_MESSAGES)
     text: str = Field("", validate_default=True)
 
@@ -342,6 +357,7 @@ KNOWN_ERRORS: dict[type[Exception], tuple[grpc.StatusCode, str | None]] = {
     EngineOverloaded: (grpc.StatusCode.RESOURCE_EXHAUSTED, None),
     NoChatTemplate: (grpc.StatusCode.FAILED_PRECONDITION, "messages"),
     # LoRA (engine/adapters.py): their messages name the adapter, the path or the tensor.
+    UnknownModel: (grpc.StatusCode.NOT_FOUND, "model"),
     AdapterNotFound: (grpc.StatusCode.NOT_FOUND, "adapter"),
     AdapterCapacityExceeded: (grpc.StatusCode.RESOURCE_EXHAUSTED, "adapter"),
     InvalidAdapter: (grpc.StatusCode.INVALID_ARGUMENT, "path"),

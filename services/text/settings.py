@@ -14,7 +14,9 @@ from genserve.services.text.engine.adapters import LoraConfig
 from genserve.services.text.engine.engine import EngineConfig
 from genserve.services.text.engine.progress import DEFAULT_STALL_S
 from genserve.services.text.engine.speculative import SpeculativeConfig
-from genserve.services.text.schema import ADAPTER_NAME, ADAPTER_NAME_RULE
+from genserve.services.text.schema import ADAPTER_NAME, ADAPTER_NAME_RULE, IMAGE_MODEL_ID, TEXT_MODEL_ID
+
+MAX_MODELS = 16
 
 
 class SpeculativeArgs(BaseModel):
@@ -103,6 +105,11 @@ class TextArgs(AppArgs):
     max_jump_forward: int = Field(EngineConfig.max_jump_forward, ge=0, le=64)
     # LoRA adapters (docs/deploy.md); absent: none may be loaded, and the model runs without the LoRA hooks.
     lora: LoraArgs | None = None
+    # Further base models served by each replica beside `model_dir`, by name (TextRequest.model, the OpenAI API's
+    # `model`): a HF folder or GGUF file each. Each has its own engine and KV cache with the settings above, but no
+    # LoRA adapters and no draft model (n-gram speculation applies). Every engine steps on its own thread, so they
+    # share the replica's cores: for the speed of one busy model, give it an app of its own (docs/deploy.md).
+    models: dict[str, str] = Field(default_factory=dict, max_length=MAX_MODELS)
 
     @model_validator(mode="after")
     def _one_kv_budget(self) -> TextArgs:
@@ -110,12 +117,29 @@ class TextArgs(AppArgs):
             raise ValueError("kv_cache_bytes: give kv_cache_bytes or kv_cache_fraction, not both")
         return self
 
-    def engine_config(self) -> EngineConfig:
+    @model_validator(mode="after")
+    def _model_names(self) -> TextArgs:
+        adapters = set(self.lora.adapters) if self.lora is not None else set()
+        for name, path in self.models.items():
+            if not ADAPTER_NAME.fullmatch(name) or name in (TEXT_MODEL_ID, IMAGE_MODEL_ID):
+                raise ValueError(f"models: {name!r} is not a model name ({ADAPTER_NAME_RULE}; not {TEXT_MODEL_ID} "
+                                 f"or {IMAGE_MODEL_ID}, the OpenAI API's ids of the first text and the image model)")
+            if name in adapters:
+                raise ValueError(f"models: {name!r} is also the name of a LoRA adapter in lora.adapters")
+            if not Path(path).exists():
+                raise ValueError(f"models.{name}: {path!r} is no folder or file")
+        return self
+
+    def engine_config(self, *, first: bool = True) -> EngineConfig:
+        """The engine's settings; `first` False: for one of the further `models` (no adapters, no draft model)."""
+        spec = self.speculative
+        if spec is not None and not first and spec.method == "draft":
+            spec = None
         return EngineConfig(
             kv_cache_bytes=self.kv_cache_bytes or 0, kv_cache_fraction=self.kv_cache_fraction or 0.0,
             max_batched_tokens=self.max_batched_tokens, max_running=self.max_running,
             max_lookahead=self.max_lookahead, cuda_graphs=self.cuda_graphs, prefix_caching=self.prefix_caching,
-            speculative=self.speculative.config() if self.speculative is not None else None,
+            speculative=spec.config() if spec is not None else None,
             max_jump_forward=self.max_jump_forward,
-            lora=self.lora.config() if self.lora is not None else None,
+            lora=self.lora.config() if self.lora is not None and first else None,
         )

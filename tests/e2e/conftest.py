@@ -255,11 +255,20 @@ def smollm2_stack(tmp_path_factory: pytest.TempPathFactory, base_port: int) -> I
 
 @pytest.fixture(scope="session")
 def deepseek(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
-    """(the transformers model, its folder): models_stack's text model."""
-    from tests.e2e.served_checkpoints import deepseek_checkpoint  # transformers: only for the modules that use it
+    """(the transformers model, its folder): models_stack's first text model."""
+    from tests.e2e.served_checkpoints import FIRST, family_checkpoint  # transformers: only for the modules that use it
 
     folder = tmp_path_factory.mktemp("deepseek")
-    return deepseek_checkpoint(folder), folder
+    return family_checkpoint(FIRST, folder), folder
+
+
+@pytest.fixture(scope="session")
+def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, Path]]:
+    """family -> (the transformers model, its folder): models_stack's further text models, by their served names."""
+    from tests.e2e.served_checkpoints import FURTHER, family_checkpoint
+
+    folders = {family: tmp_path_factory.mktemp(family) for family in FURTHER}
+    return {family: (family_checkpoint(family, folder), folder) for family, folder in folders.items()}
 
 
 @pytest.fixture(scope="session")
@@ -271,15 +280,17 @@ def sd_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def models_stack(deepseek: tuple[Any, Path], sd_folder: Path, tmp_path_factory: pytest.TempPathFactory,
-                 base_port: int) -> Iterator[Stack]:
+def models_stack(deepseek: tuple[Any, Path], families: dict[str, tuple[Any, Path]], sd_folder: Path,
+                 tmp_path_factory: pytest.TempPathFactory, base_port: int) -> Iterator[Stack]:
     """Checkpoints made here behind the text, vae, diffusion and http apps, on the block at base_port + 60:
     GENSERVE_DIFFUSION_MODEL=DIR makes `diffusion` serve the Stable Diffusion folder and `vae` its vae/, and the
-    text app serves the DeepSeek-V3 checkpoint with the engine settings of served_checkpoints.TEXT_ARGS."""
+    text app serves the DeepSeek-V3 checkpoint and, as its further `models`, one of every other new family, with
+    the engine settings of served_checkpoints.TEXT_ARGS."""
     from tests.e2e.served_checkpoints import TEXT_ARGS
 
     folder = tmp_path_factory.mktemp("models-stack")
-    config = serve_config(folder, ("text", "vae", "diffusion", "http"), {"text": TEXT_ARGS})
+    models = {family: str(checkpoint) for family, (_, checkpoint) in families.items()}
+    config = serve_config(folder, ("text", "vae", "diffusion", "http"), {"text": {**TEXT_ARGS, "models": models}})
     env = {"GENSERVE_DIFFUSION_MODEL": str(sd_folder)}
     with shared("models_stack", serving(base_port + 60, folder / "serve.log", "--config", str(config),
                                         "--text-model", str(deepseek[1]), env=env)) as running:

@@ -53,7 +53,7 @@ class ToolCallDelta(_message.Message):
     def __init__(self, index: _Optional[int] = ..., id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class TextRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "json_schema", "regex", "tools", "tool_choice", "tool_name", "parallel_tool_calls", "enable_thinking", "reasoning_effort", "adapter", "speculative")
+    __slots__ = ("prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "json_schema", "regex", "tools", "tool_choice", "tool_name", "parallel_tool_calls", "enable_thinking", "reasoning_effort", "adapter", "speculative", "model")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class TextRequest(_message.Message):
     REASONING_EFFORT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     max_tokens: int
@@ -100,7 +101,8 @@ class TextRequest(_message.Message):
     reasoning_effort: str
     adapter: str
     speculative: bool
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., tool_name: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., enable_thinking: _Optional[bool] = ..., reasoning_effort: _Optional[str] = ..., adapter: _Optional[str] = ..., speculative: _Optional[bool] = ...) -> None: ...
+    model: str
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., tool_name: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., enable_thinking: _Optional[bool] = ..., reasoning_effort: _Optional[str] = ..., adapter: _Optional[str] = ..., speculative: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -159,12 +161,14 @@ class TextChunk(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., reasoning_content: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("text", "messages")
+    __slots__ = ("text", "messages", "model")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     text: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+    model: str
+    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
     __slots__ = ("token_ids", "tokens")
@@ -175,11 +179,13 @@ class TokenizeResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "architecture", "n_params", "vocab_size", "max_context", "dtype", "kv_blocks_total", "kv_blocks_free", "runner", "device", "kv_cache_bytes", "block_size", "max_batched_tokens", "max_running", "max_lookahead", "prefix_caching", "prefix_cache_hit_tokens", "model_path", "quantization", "tool_format", "reasoning", "adapters", "kv_layer_kinds", "kv_tokens_fit", "speculative", "spec_proposed_tokens", "spec_accepted_tokens", "spec_acceptance_rate", "max_jump_forward", "forced_proposed_tokens", "forced_accepted_tokens")
+    __slots__ = ("model_name", "architecture", "n_params", "vocab_size", "max_context", "dtype", "kv_blocks_total", "kv_blocks_free", "runner", "device", "kv_cache_bytes", "block_size", "max_batched_tokens", "max_running", "max_lookahead", "prefix_caching", "prefix_cache_hit_tokens", "model_path", "quantization", "tool_format", "reasoning", "adapters", "kv_layer_kinds", "kv_tokens_fit", "speculative", "spec_proposed_tokens", "spec_accepted_tokens", "spec_acceptance_rate", "max_jump_forward", "forced_proposed_tokens", "forced_accepted_tokens", "models")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     N_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +217,7 @@ class ModelInfo(_message.Message):
     MAX_JUMP_FORWARD_FIELD_NUMBER: _ClassVar[int]
     FORCED_PROPOSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FORCED_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     n_params: int
@@ -242,7 +249,8 @@ class ModelInfo(_message.Message):
     max_jump_forward: int
     forced_proposed_tokens: int
     forced_accepted_tokens: int
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., n_params: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., runner: _Optional[str] = ..., device: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., max_running: _Optional[int] = ..., max_lookahead: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., model_path: _Optional[str] = ..., quantization: _Optional[str] = ..., tool_format: _Optional[str] = ..., reasoning: _Optional[bool] = ..., adapters: _Optional[_Iterable[str]] = ..., kv_layer_kinds: _Optional[_Iterable[_Union[KvLayerKind, _Mapping]]] = ..., kv_tokens_fit: _Optional[int] = ..., speculative: _Optional[str] = ..., spec_proposed_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_acceptance_rate: _Optional[float] = ..., max_jump_forward: _Optional[int] = ..., forced_proposed_tokens: _Optional[int] = ..., forced_accepted_tokens: _Optional[int] = ...) -> None: ...
+    models: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., n_params: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., runner: _Optional[str] = ..., device: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., max_running: _Optional[int] = ..., max_lookahead: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., model_path: _Optional[str] = ..., quantization: _Optional[str] = ..., tool_format: _Optional[str] = ..., reasoning: _Optional[bool] = ..., adapters: _Optional[_Iterable[str]] = ..., kv_layer_kinds: _Optional[_Iterable[_Union[KvLayerKind, _Mapping]]] = ..., kv_tokens_fit: _Optional[int] = ..., speculative: _Optional[str] = ..., spec_proposed_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_acceptance_rate: _Optional[float] = ..., max_jump_forward: _Optional[int] = ..., forced_proposed_tokens: _Optional[int] = ..., forced_accepted_tokens: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KvLayerKind(_message.Message):
     __slots__ = ("kind", "window", "n_layers", "kv_bytes_per_token")

@@ -42,9 +42,14 @@ class FakeText(text_pb2_grpc.TextGenerationServicer):
             last = i == len(text) - 1
             yield text_pb2.TextChunk(text=ch, token_ids=[i], finish_reason="length" if last else "")
 
+    def Tokenize(self, request, context):
+        self.seen.append((dict(context.invocation_metadata()).get("application"), request))
+        return text_pb2.TokenizeResponse(token_ids=list(request.text.encode()))
+
     def GetModelInfo(self, request, context):
         authorization = dict(context.invocation_metadata()).get("authorization")
-        return text_pb2.ModelInfo(model_name=authorization or "fake-model", adapters=sorted(self.adapters))
+        return text_pb2.ModelInfo(model_name=authorization or request.model or "fake-model",
+                                  adapters=sorted(self.adapters))
 
     def LoadAdapter(self, request, context):
         self.seen.append((dict(context.invocation_metadata()).get("application"), request))

@@ -145,3 +145,18 @@ def test_adapters_load_list_unload_and_text_with_an_adapter(fake_server, capsys)
     assert capsys.readouterr().out == "sql\nsql\nih\n\n"
     assert main(["--address", address, "adapters", "unload", "sql"]) == 1
     assert capsys.readouterr().err == "genserve: NOT_FOUND: adapter: adapter 'sql' is not loaded\n"
+
+
+def test_model_picks_one_of_the_text_apps_further_base_models(fake_server, capsys) -> None:
+    address, seen = fake_server
+    assert main(["--address", address, "text", "hi", "--model", "qwen3"]) == 0
+    assert seen[-1][1].model == "qwen3" and not seen[-1][1].HasField("adapter")
+    assert main(["--address", address, "text", "hi"]) == 0
+    assert not seen[-1][1].HasField("model")  # unset: the app's first model
+    assert main(["--address", address, "chat", "hi", "--model", "qwen3"]) == 0
+    assert seen[-1][1].model == "qwen3"
+    assert main(["--address", address, "tokenize", "hi", "--model", "qwen3"]) == 0
+    assert seen[-1][1].model == "qwen3"
+    capsys.readouterr()
+    assert main(["--address", address, "info", "--model", "qwen3"]) == 0
+    assert "model_name       qwen3\n" in capsys.readouterr().out  # the fake server names the model it was asked for

@@ -8,9 +8,15 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 import torch
+from pydantic import ValidationError
+from text_helpers import byte_tokenizer, hf_model, make_engine, save_hf
 
+from genserve.services.common.errors import InvalidArgument
 from genserve.services.text.app import TextGeneration
+from genserve.services.text.engine.params import SamplingParams
+from genserve.services.text.schema import UnknownModel
 from genserve.services.text.settings import TextArgs
 from genserve.v1 import text_pb2
 
@@ -55,3 +61,46 @@ def test_speculation_and_jump_forward_report_their_method_and_counts() -> None:
         assert info.forced_accepted_tokens > 0 and info.forced_proposed_tokens >= info.forced_accepted_tokens
     finally:
         app.engine.shutdown()
+
+
+def test_further_models_answer_by_name_each_with_its_own_engine(tmp_path) -> None:
+    """`models` beside the first: a request's `model` picks the engine, whose tokens are those of an engine that
+    serves that checkpoint alone; GetModelInfo describes either; a name not served is NOT_FOUND naming `model`."""
+    folder = save_hf(hf_model("mistral", sliding_window=8), tmp_path / "mistral", sharded=False)
+    byte_tokenizer()._tok.save(str(folder / "tokenizer.json"))
+    app = TextGeneration.func_or_class(None, TextArgs.model_validate({"models": {"mistral": str(folder)},
+                                                                      "max_running": 5}))
+    prompt = "a window of eight tokens slides"
+    try:
+        async def ask() -> tuple:
+            return (await app.GetModelInfo(text_pb2.ModelInfoRequest()),
+                    await app.GetModelInfo(text_pb2.ModelInfoRequest(model="mistral")),
+                    await app.Generate(text_pb2.TextRequest(prompt=prompt, model="mistral", max_tokens=6,
+                                                            temperature=0.0)),
+                    await app.Tokenize(text_pb2.TokenizeRequest(text=prompt, model="mistral")))
+
+        first, further, reply, tokens = asyncio.run(ask())
+        assert list(first.models) == list(further.models) == ["mistral"]
+        assert first.architecture == "LlamaForCausalLM" and further.architecture == "MistralForCausalLM"
+        assert further.model_name == "mistral" and further.max_running == 5
+        alone = make_engine(folder).generate_batch([list(tokens.token_ids)],
+                                                   [SamplingParams(max_tokens=6, temperature=0)])
+        assert list(reply.token_ids) == alone[0][1]
+        with pytest.raises(UnknownModel, match="'llama-9000' is not served here .*'mistral'"):
+            asyncio.run(app.Generate(text_pb2.TextRequest(prompt=prompt, model="llama-9000")))
+        with pytest.raises(InvalidArgument, match="adapter"):
+            asyncio.run(app.Generate(text_pb2.TextRequest(prompt=prompt, model="mistral", adapter="sql")))
+    finally:
+        for engine in app.engines.values():
+            engine.shutdown()
+
+
+@pytest.mark.parametrize(("models", "lora", "named"), [
+    ({"text": "."}, None, "'text' is not a model name"),
+    ({"bad name": "."}, None, "'bad name' is not a model name"),
+    ({"m": "/no/such/folder"}, None, "models.m: '/no/such/folder' is no folder or file"),
+    ({"sql": "."}, {"root": ".", "adapters": {"sql": "sql"}}, "'sql' is also the name of a LoRA adapter"),
+])
+def test_a_further_model_that_cannot_be_served_fails_the_deploy_naming_it(models, lora, named) -> None:
+    with pytest.raises(ValidationError, match=named):
+        TextArgs.model_validate({"models": models, "lora": lora})
