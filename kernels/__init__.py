@@ -1,6 +1,7 @@
 """Kernels: Triton on GPUs, C (and prepared oneDNN calls) on CPUs.
 
-- Triton (GPU): flash attention (prefill; soft-capping and sinks), paged decode attention, fused RMSNorm, RoPE, the
+- Triton (GPU): flash attention (prefill; soft-capping and sinks), paged decode attention, multi-head latent
+  attention's absorbed decode over its latent cache (mla_decode), fused RMSNorm, RoPE, the
   matmul with GGUF Q8_0/Q4_0/Q4_1 weights dequantised in registers (quant_matmul), and the mixture-of-experts FFN as
   two grouped GEMMs over expert-sorted rows (fused_moe). On machines without a GPU they run under
   TRITON_INTERPRET=1 (tests only; the services use torch there).
@@ -18,9 +19,11 @@ layouts. Nothing here imports `genserve.shared` or `genserve.services` (tests/te
 """
 
 from genserve.kernels.flash_attention import flash_attention
+from genserve.kernels.mla_decode import mla_decode_attention
 from genserve.kernels.paged_attention import paged_decode_attention
 from genserve.kernels.quant_matmul import quant_linear
 from genserve.kernels.rms_norm import rms_norm
 from genserve.kernels.rope import apply_rope
 
-__all__ = ["apply_rope", "flash_attention", "paged_decode_attention", "quant_linear", "rms_norm"]
+__all__ = ["apply_rope", "flash_attention", "mla_decode_attention", "paged_decode_attention", "quant_linear",
+           "rms_norm"]

@@ -1,7 +1,7 @@
 """The single dispatch point between the building blocks and the compute that runs them.
 
 `get_backend(name=None)` returns a backend object; the name comes from the `GENSERVE_BACKEND` environment variable
-when not given: "auto" (default), "reference", "torch" or "triton". Every backend has the same eleven methods (the
+when not given: "auto" (default), "reference", "torch" or "triton". Every backend has the same twelve methods (the
 contract in docs/architecture.md):
 
 - attend(q, k, v, *, causal, sm_scale=None, window=0, softcap=0.0, sinks=None): q (B, Hq, Nq, D), k/v (B, Hkv, Nk,
@@ -12,6 +12,10 @@ contract in docs/architecture.md):
 - paged_decode(q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None, window=0, softcap=0.0, sinks=None):
   q (B, Hq, D), caches (num_blocks, block_size, Hkv, D), block_tables int32 (B, max_blocks), context_lens int32 (B,)
   -> (B, Hq, D); with a `window`, each sequence attends to its last `window` keys only; softcap and sinks as above;
+- mla_decode(q, cache, block_tables, context_lens, *, latent_dim, sm_scale=None, window=0): multi-head latent
+  attention's absorbed decode (shared/blocks/mla.py): q (B, H, d_c + d_r), one cache (num_blocks, block_size, 1,
+  d_c + d_r) that serves as the keys of every head and, its first `latent_dim` (d_c) columns, as their values
+  -> (B, H, d_c);
 - rms_norm(x, weight, eps, residual=None): y, or (y, x + residual) with the norm taken of x + residual;
 - apply_rope(q, k, cos, sin, positions, *, interleaved=False): (q, k) rotated; cos/sin are (P, D/2) tables;
 - linear(x, weight, bias=None): y = x W^T + b, weight (N, K) as in nn.Linear;
@@ -129,6 +133,11 @@ class ReferenceBackend:
                                              sinks=sinks)  # (1, Hq, 1, D)
             out.append(o[0, :, 0])
         return torch.stack(out)  # (B, Hq, D)
+
+    def mla_decode(self, q, cache, block_tables, context_lens, *, latent_dim: int, sm_scale=None,
+                   window: int = 0) -> torch.Tensor:
+        return self.paged_decode(q, cache, cache, block_tables, context_lens, sm_scale=sm_scale,
+                                 window=window)[..., :latent_dim]
 
     def rms_norm(self, x, weight, eps: float, residual=None):
         if residual is not None:
@@ -308,6 +317,11 @@ class TritonBackend:
         return self.kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale=sm_scale,
                                                    window=window, softcap=softcap, sinks=sinks)
 
+    def mla_decode(self, q, cache, block_tables, context_lens, *, latent_dim: int, sm_scale=None,
+                   window: int = 0) -> torch.Tensor:
+        return self.kernels.mla_decode_attention(q, cache, block_tables, context_lens, latent_dim=latent_dim,
+                                                 sm_scale=sm_scale, window=window)
+
     def rms_norm(self, x, weight, eps: float, residual=None):
         return self.kernels.rms_norm(x, weight, eps, residual=residual)
 
@@ -364,6 +378,11 @@ class AutoBackend:
                      softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         return self._pick(q).paged_decode(q, k_cache, v_cache, block_tables, context_lens, sm_scale=sm_scale,
                                           window=window, softcap=softcap, sinks=sinks)
+
+    def mla_decode(self, q, cache, block_tables, context_lens, *, latent_dim: int, sm_scale=None,
+                   window: int = 0) -> torch.Tensor:
+        return self._pick(q).mla_decode(q, cache, block_tables, context_lens, latent_dim=latent_dim,
+                                        sm_scale=sm_scale, window=window)
 
     def rms_norm(self, x, weight, eps: float, residual=None):
         return self._pick(x).rms_norm(x, weight, eps, residual)

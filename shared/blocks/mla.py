@@ -9,8 +9,10 @@ L (d_c + d_rope) values per token instead of 2 L h d_k.
 Serving uses the absorbed form (DeepSeek-V2, section 2.1.2; vLLM's MLA backend): q_nope^T k_nope = (W^UK^T q_nope)^T
 c_KV, so each head's query is moved into the latent space once and attends straight over the cached [c_KV | k_R];
 the values are the latent itself, and W^UV is applied to each head's attended latent afterwards. That makes the
-paged cache one "head" of d_c + d_rope values per token and the attention MQA over it, run by the backend's ordinary
-`attend` and `paged_decode` (the value width is the key width; its last d_rope columns are dropped after).
+paged cache one "head" of d_c + d_rope values per token and decode attention MQA over it, run by the backend's
+`mla_decode` (Triton: kernels/mla_decode.py, which reads each entry once for the scores and the values). Prefill
+expands instead (vLLM and SGLang do the same): its context's latents go through W^UK and W^UV once per chunk, and the
+chunk attends per head with dn + d_rope wide keys, fewer products per score than d_c + d_rope when T is large.
 
 Names follow DeepSeek-V2/V3's checkpoints: `q_proj` (or, with a query LoRA rank, `q_a_proj`, `q_a_layernorm`,
 `q_b_proj`), `kv_a_proj_with_mqa` (x -> [c_KV | k_R]), `kv_a_layernorm`, `kv_b_proj` (c_KV -> per-head [k_nope | v],
@@ -139,11 +141,12 @@ class MultiHeadLatentAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.n_heads, self.d_nope + self.d_v, self.kv_latent_dim)
         return w[:, : self.d_nope], w[:, self.d_nope :]
 
-    def latent_entries(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (N, dim), rope rows (N, dr/2) each -> (absorbed queries (N, H, d_c + dr), cache entries (N, d_c + dr)).
-
-        A query is [W^UK^T q_nope | RoPE(q_rope)] per head; an entry is [norm(c_KV) | RoPE(k_R)]."""
+    def forward_paged(self, x: torch.Tensor, batch: PagedBatch, rope: tuple[torch.Tensor, torch.Tensor],
+                      cache: torch.Tensor, *, window: int = 0) -> torch.Tensor:
+        """The engine's flat batch x (N, dim) -> (N, dim). `cache` (num_blocks, block_size, 1, d_c + dr) holds every
+        token's entry [norm(c_KV) | RoPE(k_R)]. Decode rows attend in the absorbed form (module docstring), through
+        the backend's `mla_decode`; prefill chunks expand their context's latents into per-head keys and values, as
+        the dense forward does, where each score costs dn + dr products instead of d_c + dr."""
         n = x.shape[0]
         q = self._query(x).view(n, self.n_heads, self.d_nope + self.d_rope)
         q_nope, q_rope = q.split((self.d_nope, self.d_rope), dim=-1)
@@ -151,36 +154,36 @@ class MultiHeadLatentAttention(nn.Module):
         latent = self.kv_a_layernorm(latent)  # (N, d_c)
         q_rope, k_rope = self.backend.apply_rope(q_rope.transpose(0, 1)[None], k_rope[None, None], rope[0], rope[1],
                                                  None, interleaved=self.rope_interleaved)
-        w_uk, _ = self._up()
-        q_lat = torch.einsum("nhd,hdc->nhc", q_nope, w_uk)  # (N, H, d_c)
-        queries = torch.cat((q_lat, q_rope[0].transpose(0, 1)), dim=-1)  # (N, H, d_c + dr)
-        return queries, torch.cat((latent, k_rope[0, 0]), dim=-1)
-
-    def output(self, o: torch.Tensor) -> torch.Tensor:
-        """Attended entries o (N, H, d_c + dr) -> (N, dim): W^UV on each head's latent part, then W^O."""
-        _, w_uv = self._up()
-        v = torch.einsum("nhc,hvc->nhv", o[..., : self.kv_latent_dim], w_uv)  # (N, H, dv)
-        return self.o_proj(v.flatten(1))
-
-    def forward_paged(self, x: torch.Tensor, batch: PagedBatch, rope: tuple[torch.Tensor, torch.Tensor],
-                      cache: torch.Tensor, *, window: int = 0) -> torch.Tensor:
-        """The engine's flat batch x (N, dim) -> (N, dim) in the absorbed form (module docstring). `cache`
-        (num_blocks, block_size, 1, d_c + dr) holds every token's entry and serves as keys and values both."""
-        queries, entries = self.latent_entries(x, rope)
+        q_rope, k_rope = q_rope[0].transpose(0, 1), k_rope[0, 0]  # (N, H, dr), (N, dr)
+        entries = torch.cat((latent, k_rope), dim=-1)  # (N, d_c + dr)
         cache.view(-1, entries.shape[-1]).index_copy_(0, batch.slots, entries)
-        q = queries.transpose(0, 1)[None]  # (1, H, N, d_c + dr)
-        out = torch.empty_like(q)
+        out = x.new_empty(n, self.n_heads, self.d_v)
         if batch.n_decode:
-            qd = q[0, :, : batch.n_decode].transpose(0, 1)  # (Bd, H, d_c + dr)
-            od = self.backend.paged_decode(qd, cache, cache, batch.decode_tables, batch.decode_lens,
-                                           sm_scale=self.sm_scale, window=window)
-            out[0, :, : batch.n_decode] = od.transpose(0, 1)
+            rows = slice(0, batch.n_decode)
+            w_uk, w_uv = self._up()
+            absorbed = torch.cat((torch.einsum("nhd,hdc->nhc", q_nope[rows], w_uk), q_rope[rows]), dim=-1)
+            o = self.backend.mla_decode(absorbed, cache, batch.decode_tables, batch.decode_lens,
+                                        latent_dim=self.kv_latent_dim, sm_scale=self.sm_scale, window=window)
+            out[rows] = torch.einsum("nhc,hvc->nhv", o, w_uv)  # W^UV on each head's attended latent
         for c in batch.prefills:
             rows = slice(c.offset, c.offset + c.length)
             if c.start == 0:
-                kv = entries[None, None, rows]  # (1, 1, n, d_c + dr)
+                context = entries[rows]
             else:
-                kv = gather(cache, c.table, max(0, c.start - window + 1) if window else 0, c.context_len)
-            out[:, :, rows] = self.backend.attend(q[:, :, rows], kv, kv, causal=True, sm_scale=self.sm_scale,
-                                                  window=window)
-        return self.output(out[0].transpose(0, 1))
+                first = max(0, c.start - window + 1) if window else 0
+                context = gather(cache, c.table, first, c.context_len)[0, 0]  # (keys, d_c + dr)
+            out[rows] = self._expanded(q_nope[rows], q_rope[rows], context, window)
+        return self.o_proj(out.flatten(1))
+
+    def _expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, context: torch.Tensor, window: int
+                  ) -> torch.Tensor:
+        """One prefill chunk's queries (T, H, dn), (T, H, dr), the last T of its `context` entries (S, d_c + dr),
+        attended over per-head keys [W^UK c | k_R] and values W^UV c -> (T, H, dv)."""
+        s = context.shape[0]
+        latent, k_rope = context.split((self.kv_latent_dim, self.d_rope), dim=-1)
+        kv = self.kv_b_proj(latent).view(s, self.n_heads, self.d_nope + self.d_v).transpose(0, 1)  # (H, S, dn + dv)
+        k_nope, v = kv.split((self.d_nope, self.d_v), dim=-1)
+        k = torch.cat((k_nope, k_rope[None].expand(self.n_heads, s, self.d_rope)), dim=-1)
+        q = torch.cat((q_nope, q_rope), dim=-1).transpose(0, 1)  # (H, T, dn + dr)
+        o = self.backend.attend(q[None], k[None], v[None], causal=True, sm_scale=self.sm_scale, window=window)
+        return o[0].transpose(0, 1)  # (T, H, dv)

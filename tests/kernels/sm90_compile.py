@@ -26,6 +26,7 @@ from triton.compiler import ASTSource  # noqa: E402
 # kernels/__init__.py re-exports functions named like their modules, so fetch the modules themselves.
 fa = importlib.import_module("genserve.kernels.flash_attention")
 pa = importlib.import_module("genserve.kernels.paged_attention")
+md = importlib.import_module("genserve.kernels.mla_decode")
 qm = importlib.import_module("genserve.kernels.quant_matmul")
 fm = importlib.import_module("genserve.kernels.fused_moe")
 rn = importlib.import_module("genserve.kernels.rms_norm")
@@ -151,6 +152,19 @@ def _paged_variants():
     yield "paged_decode_merge", pa._merge_splits_kernel, merge_ptrs, merge_meta, 4, 1
 
 
+def _mla_variants():
+    """DeepSeek-V3's entries: a 512-wide latent and a 64-wide RoPE key, every candidate single-split, one split."""
+    pointers = {"Q": "*bf16", "Cache": "*bf16", "block_tables": "*i32", "context_lens": "*i32", "O": "*bf16",
+                "part_acc": "*fp32", "part_m": "*fp32", "part_l": "*fp32"}
+    for i, config in enumerate(md.AUTOTUNE_CONFIGS):
+        for single in (True, False) if i == 0 else (True,):
+            meta = {"LATENT": 512, "ROPE": 64, "BLOCK_C": 512, "BLOCK_R": 64, "PAGE_SIZE": 16, "BLOCK_H": md.BLOCK_H,
+                    "SINGLE_SPLIT": single, "SPLIT_GRANULE": pa._SPLIT_GRANULE, "UPCAST": False,
+                    "DOT_PRECISION": "tf32"} | config.kwargs
+            yield f"mla_decode[cfg{i},single={single}]", md._mla_decode_kernel, pointers, meta, config.num_warps, \
+                config.num_stages
+
+
 def _elementwise_variants():
     norm_ptrs = {n: "*bf16" for n in ("X", "R", "W", "Y", "R_OUT")}
     for block, residual in ((4096, False), (8192, True)):
@@ -185,7 +199,8 @@ def _moe_variants():
 
 def main() -> int:
     for label, kernel, pointers, meta, num_warps, num_stages in (
-        *_flash_variants(), *_paged_variants(), *_elementwise_variants(), *_quant_variants(), *_moe_variants()
+        *_flash_variants(), *_paged_variants(), *_mla_variants(), *_elementwise_variants(), *_quant_variants(),
+        *_moe_variants(),
     ):
         try:
             print(json.dumps(_compile(label, kernel, pointers, meta, num_warps, num_stages)), flush=True)

@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parents[2]
 SM90_MAX_SHARED = 232448
 # Stack bytes per thread above this are register spills to local memory in the inner loop.
 MAX_STACK_BYTES = 64
-EXPECTED = ("flash_attention[", "paged_decode[", "paged_decode_merge", "rms_norm[", "rope[", "quant_matmul[",
+EXPECTED = ("flash_attention[", "paged_decode[", "paged_decode_merge", "mla_decode[", "rms_norm[", "rope[",
+            "quant_matmul[",
             "fused_moe[gate_up]", "fused_moe[down]",
             # fp32 at Stable Diffusion's head dims (the U-Net runs fp32 on a GPU): padded to 64, 128 and 256
             "flash_attention[fp32,D40,", "flash_attention[fp32,D80,", "flash_attention[fp32,D160,")
@@ -54,8 +55,8 @@ def test_flash_attention_uses_hopper_tensor_cores(compiled: list[dict]) -> None:
 def test_attention_and_quant_builds_do_not_spill_registers(compiled: list[dict]) -> None:
     # fp32 flash attention multiplies exactly on the FMA units, whose wide tiles live in registers: its builds are
     # checked for fitting and compiling (above), not for spills, a cost the 16-bit path must not pay.
-    attention = [r for r in compiled if r["name"].startswith(("flash_attention[", "paged_decode[", "quant_matmul[",
-                                                               "fused_moe["))
+    attention = [r for r in compiled if r["name"].startswith(("flash_attention[", "paged_decode[", "mla_decode[",
+                                                               "quant_matmul[", "fused_moe["))
                  and "fp32" not in r["name"]]
     if any(r["stack"] is None for r in attention):
         pytest.skip("cuobjdump is not available to read register usage")

@@ -208,20 +208,20 @@ def test_greedy_generation_matches_transformers_alone_and_in_a_batch(checkpoint,
 
 
 # The attention variants the kernels gained: soft-capping (Gemma 2), QK-norm and two RoPE bases (Gemma 3), sinks
-# (gpt-oss), MLA's latent entries and the fused-MoE grouped GEMMs (DeepSeek-V3; gpt-oss's biased, clamped experts
-# keep the grouped loop); the other families run these same kernels (Gemma 3 and Qwen3-MoE were checked as well when
-# this was written, and are left out of `make test` for its time budget).
+# (gpt-oss), MLA's absorbed decode over its latent cache and the fused-MoE grouped GEMMs (DeepSeek-V3; gpt-oss's
+# biased, clamped experts keep the grouped loop); the other families run these same kernels (Gemma 3 and Qwen3-MoE
+# were checked as well when this was written, and are left out of `make test` for its time budget).
 @pytest.mark.parametrize("arch", ["gemma2", "gpt_oss", "deepseek_v3"])
 def test_triton_kernels_give_the_same_greedy_tokens(arch, tmp_path_factory, monkeypatch):
     """GENSERVE_BACKEND=triton under the interpreter: soft-capping and sinks run inside the flash and paged kernels,
-    MLA's absorbed attention through the same kernels as MQA over its latent entries, the experts in the fused-MoE
-    kernels."""
+    MLA's decode in its own kernel over the latent entries and its prefill, expanded per head, in the flash kernel,
+    the experts in the fused-MoE kernels."""
     from genserve import kernels
     from genserve.kernels import fused_moe
     from genserve.shared.blocks.backend import get_backend
 
     _, hf, directory = _build(arch, tmp_path_factory)
-    calls = {"flash_attention": 0, "paged_decode_attention": 0, "fused_moe": 0}
+    calls = {"flash_attention": 0, "paged_decode_attention": 0, "mla_decode_attention": 0, "fused_moe": 0}
     for name in calls:
         module = fused_moe if name == "fused_moe" else kernels
         original = getattr(module, name)
@@ -239,7 +239,12 @@ def test_triton_kernels_give_the_same_greedy_tokens(arch, tmp_path_factory, monk
     _, tokens, _ = engine.generate_batch([prompt], SamplingParams(max_tokens=new, temperature=0))[0]
     assert tokens == expected[0, len(prompt):].tolist()
     cfg = engine.model.config
-    assert calls["flash_attention"] >= cfg.n_layers and calls["paged_decode_attention"] >= cfg.n_layers * (new - 1)
+    decodes = cfg.n_layers * (new - 1)  # a decode kernel call per layer of each decode step
+    assert calls["flash_attention"] >= cfg.n_layers
+    if arch == "deepseek_v3":
+        assert calls["mla_decode_attention"] == decodes and calls["paged_decode_attention"] == 0
+    else:
+        assert calls["paged_decode_attention"] >= decodes and calls["mla_decode_attention"] == 0
     sparse = sum(cfg.layer_is_moe(i) for i in range(cfg.n_layers)) if arch != "gpt_oss" else 0
     assert calls["fused_moe"] == sparse * new  # every sparse layer of every forward pass: 1 prefill + new - 1 decodes
 
