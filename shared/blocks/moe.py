@@ -147,14 +147,15 @@ class MoE(nn.Module):
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.n_experts).tolist()
         tokens = order // self.top_k
-        scale = weights.reshape(-1)[order, None].to(x.dtype)
-        out = torch.zeros_like(x)
+        rows_in = x[tokens]  # (N k, dim): every (token, slot) row, grouped by expert, in one gather
+        rows_out = torch.empty_like(rows_in)
         start = 0
         for e, count in enumerate(counts):  # one product per expert that received tokens
             if count:
-                rows = slice(start, start + count)
-                out.index_add_(0, tokens[rows], self.experts[e](x[tokens[rows]]) * scale[rows])
+                rows_out[start:start + count] = self.experts[e](rows_in[start:start + count])
                 start += count
+        rows_out.mul_(weights.reshape(-1)[order, None].to(x.dtype))
+        out = torch.zeros_like(x).index_add_(0, tokens, rows_out)  # one scatter back to the tokens
         for expert in self.shared_experts:
             out = out + expert(x)
         if self.training:

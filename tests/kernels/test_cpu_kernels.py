@@ -18,7 +18,7 @@ def _randn(*shape, gen, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 4, 8])  # two chains of sums per row below 4 rows, one from 4 (gemv.c)
 @pytest.mark.parametrize("k", [64, 37])
 def test_gemv_matches_linear(dtype, rows, k):
     gen = torch.Generator().manual_seed(rows * 100 + k)
