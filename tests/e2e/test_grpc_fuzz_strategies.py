@@ -6,8 +6,10 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
+from google.protobuf import empty_pb2
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from hypothesis import HealthCheck, Phase, find, settings
@@ -56,11 +58,20 @@ def test_every_rpc_of_the_four_services_is_fuzzed() -> None:
 
 
 def test_a_service_gets_its_share_of_distinct_requests() -> None:
-    plan = requests_for([r for r in rpcs() if r.app == "text"], 60, seed_value=0)
-    empty = [request for rpc, request in plan if rpc.name == "TextGeneration/GetModelInfo"]
-    assert len(empty) == EMPTY_REQUEST_CALLS and len(plan) >= 60
-    fuzzed = [(rpc.name, request.SerializeToString()) for rpc, request in plan if not rpc.name.endswith("Info")]
+    text = [r for r in rpcs() if r.app == "text"]
+    plan = requests_for(text, 60, seed_value=0)
+    assert len(plan) >= 60 and {rpc.name for rpc, _ in plan} == {r.name for r in text}
+    fuzzed = [(rpc.name, request.SerializeToString()) for rpc, request in plan]
     assert len(set(fuzzed)) == len(fuzzed)
+
+
+def test_an_rpc_whose_request_has_no_fields_is_called_a_fixed_number_of_times() -> None:
+    # every genserve request has fields today (GetModelInfo gained `model`); a fieldless one gets no fuzzed share
+    info = next(r for r in rpcs() if r.name == "TextGeneration/GetModelInfo")
+    fieldless = replace(info, method="Ping", request=empty_pb2.Empty)
+    plan = requests_for([fieldless, info], 10, seed_value=0)
+    assert [request for rpc, request in plan if rpc is fieldless] == [empty_pb2.Empty()] * EMPTY_REQUEST_CALLS
+    assert sum(rpc is info for rpc, _ in plan) == 10 - EMPTY_REQUEST_CALLS
 
 
 # One RPC per request type: a stream and its unary twin draw from the same strategy.
