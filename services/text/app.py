@@ -200,6 +200,11 @@ class TextGeneration:
         engine = self._engine(req.model)
         if req.model and req.adapter:
             raise InvalidArgument("adapter", f"LoRA adapters apply to the app's first model, not to {req.model!r}")
+        if req.adapter and engine.engine.registry is None and len(self.engines) > 1:
+            # the OpenAI API sends any `model` it does not know as an adapter: say what is served instead
+            served = ", ".join(repr(name) for name in self.engines if name)
+            raise AdapterNotFound(f"{req.adapter!r} is no LoRA adapter (this app loads none) and none of its further "
+                                  f"models ({served}; unset: the first)")
         check_conversation(req.messages)
         prompt_ids, text = self._prompt_ids(engine, req.prompt, req.messages, req=req)
         if not prompt_ids:

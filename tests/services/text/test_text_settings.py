@@ -15,7 +15,7 @@ from text_helpers import byte_tokenizer, hf_model, make_engine, save_hf
 
 from genserve.services.common.errors import InvalidArgument
 from genserve.services.text.app import TextGeneration
-from genserve.services.text.engine.params import SamplingParams
+from genserve.services.text.engine.params import AdapterNotFound, SamplingParams
 from genserve.services.text.schema import UnknownModel
 from genserve.services.text.settings import TextArgs
 from genserve.v1 import text_pb2
@@ -90,6 +90,8 @@ def test_further_models_answer_by_name_each_with_its_own_engine(tmp_path) -> Non
             asyncio.run(app.Generate(text_pb2.TextRequest(prompt=prompt, model="llama-9000")))
         with pytest.raises(InvalidArgument, match="adapter"):
             asyncio.run(app.Generate(text_pb2.TextRequest(prompt=prompt, model="mistral", adapter="sql")))
+        with pytest.raises(AdapterNotFound, match="'sql' is no LoRA adapter .* further models \\('mistral'"):
+            asyncio.run(app.Generate(text_pb2.TextRequest(prompt=prompt, adapter="sql")))
     finally:
         for engine in app.engines.values():
             engine.shutdown()
