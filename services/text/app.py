@@ -169,10 +169,14 @@ class TextGeneration:
             threading.Thread(target=engine.engine.grammars.warm_up, name="genserve-grammar-warm-up",
                              daemon=True).start()
 
+    def _further_models(self) -> str:
+        """The further models' names for an error message."""
+        return ", ".join(repr(name) for name in self.engines if name) or "none"
+
     def _engine(self, model: str) -> AsyncLLMEngine:
         if model not in self.engines:
-            served = ", ".join(repr(name) for name in self.engines if name) or "none"
-            raise UnknownModel(f"model {model!r} is not served here (the further models: {served}; unset: the first)")
+            raise UnknownModel(f"model {model!r} is not served here (the further models: {self._further_models()}; "
+                               "unset: the first)")
         return self.engines[model]
 
     def _prompt_ids(self, engine: AsyncLLMEngine, prompt: str, messages: list[ChatMessageIn],
@@ -202,9 +206,8 @@ class TextGeneration:
             raise InvalidArgument("adapter", f"LoRA adapters apply to the app's first model, not to {req.model!r}")
         if req.adapter and engine.engine.registry is None and len(self.engines) > 1:
             # the OpenAI API sends any `model` it does not know as an adapter: say what is served instead
-            served = ", ".join(repr(name) for name in self.engines if name)
             raise AdapterNotFound(f"{req.adapter!r} is no LoRA adapter (this app loads none) and none of its further "
-                                  f"models ({served}; unset: the first)")
+                                  f"models ({self._further_models()}; unset: the first)")
         check_conversation(req.messages)
         prompt_ids, text = self._prompt_ids(engine, req.prompt, req.messages, req=req)
         if not prompt_ids:
