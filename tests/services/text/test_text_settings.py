@@ -1,6 +1,6 @@
 """Engine settings from a serve config's `args` reach the text replica: the deployment class built in this process
 from those args (as Serve builds it, without Ray) reports them through GetModelInfo and decodes. The YAML-to-replica
-path itself runs end to end on the DeepSeek stack (tests/e2e/test_e2e_architectures.py), and a bad setting failing
+path itself runs end to end on the models stack (tests/e2e/test_e2e_architectures.py), and a bad setting failing
 the deploy in tests/e2e/test_e2e_serve_settings.py."""
 
 from __future__ import annotations
