@@ -23,7 +23,15 @@ import triton.language as tl
 
 from genserve.kernels._runtime import autotune_limit, dot_precision, interpreting, upcast_for_interpreter
 from genserve.kernels.flash_attention import LOG2E, M_INIT, online_softmax_step
-from genserve.kernels.paged_attention import _SPLIT_GRANULE, _merge_splits_kernel, choose_num_splits
+from genserve.kernels.paged_attention import (
+    _SPLIT_GRANULE,
+    check_tables,
+    finish_split,
+    merge_splits,
+    split_bounds,
+    split_buffers,
+    split_count,
+)
 
 # Query heads per program: the M side of the tensor-core dots. 16 keeps the (heads, d_c) fp32 accumulator of
 # DeepSeek-V3 at 32 KB of registers per program.
@@ -53,13 +61,7 @@ def _mla_decode_kernel(
     head_block = tl.program_id(1)
     split = tl.program_id(2)
 
-    # -- this program's slice of its sequence's context, in whole granules (paged_attention.py) --
-    context_len = tl.load(context_lens + b)
-    tokens_per_split = tl.cdiv(tl.cdiv(context_len, tl.num_programs(2)), SPLIT_GRANULE) * SPLIT_GRANULE
-    start = split * tokens_per_split
-    end = tl.minimum(context_len, start + tokens_per_split)
-    if window > 0:
-        start = tl.maximum(start, context_len - window)
+    start, end = split_bounds(context_lens, b, split, window, SPLIT_GRANULE)
 
     # -- the block's query heads, latent part (BLOCK_H, BLOCK_C) and RoPE part (BLOCK_H, BLOCK_R) --
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -97,17 +99,8 @@ def _mla_decode_kernel(
         qk = tl.where(tok_ok[None, :], qk, float("-inf"))
         acc, l_i, m_i = online_softmax_step(qk, qk_scale, m_i, l_i, acc, latent, DOT_PRECISION)
 
-    if SINGLE_SPLIT:
-        l_i = tl.where(l_i == 0.0, 1.0, l_i)
-        o = acc / l_i[:, None]
-        o_ptrs = O + b64 * stride_ob + heads[:, None] * stride_oh + offs_c[None, :]
-        tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=head_ok[:, None] & c_ok[None, :])
-    else:
-        pa = part_acc + b64 * stride_pab + heads[:, None] * stride_pah + split * stride_pas + offs_c[None, :]
-        tl.store(pa, acc, mask=head_ok[:, None] & c_ok[None, :])
-        pm = b64 * stride_pmb + heads * stride_pmh + split
-        tl.store(part_m + pm, m_i, mask=head_ok)
-        tl.store(part_l + pm, l_i, mask=head_ok)
+    finish_split(acc, l_i, m_i, O, part_acc, part_m, part_l, b64, heads, head_ok, offs_c, c_ok, split,
+                 stride_ob, stride_oh, stride_pab, stride_pah, stride_pas, stride_pmb, stride_pmh, SINGLE_SPLIT)
 
 
 @functools.cache
@@ -124,14 +117,7 @@ def _check_inputs(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
     if not 0 < latent_dim < q.shape[2]:
         raise ValueError(f"latent_dim must be in 1..{q.shape[2] - 1} (the entry's width less its RoPE part); "
                          f"got {latent_dim}")
-    block_size = cache.shape[1]
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two; got {block_size}")
-    if block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0] or context_lens.shape != (q.shape[0],):
-        raise ValueError(f"block_tables must be (B, max_blocks) and context_lens (B,) with B={q.shape[0]}; got "
-                         f"{tuple(block_tables.shape)} and {tuple(context_lens.shape)}")
-    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
-        raise ValueError(f"block_tables and context_lens must be int32; got {block_tables.dtype}, {context_lens.dtype}")
+    check_tables(cache.shape[1], block_tables, context_lens, q.shape[0])
     if cache.dtype != q.dtype:
         raise ValueError(f"q and the cache must share a dtype; got {q.dtype}, {cache.dtype}")
     if cache.stride(-1) != 1 or cache.stride(1) != cache.shape[3]:
@@ -166,19 +152,9 @@ def mla_decode_attention(
     if batch == 0:
         return o
     head_blocks = triton.cdiv(n_heads, BLOCK_H)
-    if max_context_len is None:
-        max_context_len = block_tables.shape[1] * block_size
-    if num_splits is None:
-        num_splits = choose_num_splits(batch, head_blocks, max_context_len, q.device)
-    num_splits = max(1, min(num_splits, triton.cdiv(max(max_context_len, 1), _SPLIT_GRANULE)))
+    num_splits = split_count(block_tables, block_size, head_blocks, max_context_len, num_splits, q.device)
     single = num_splits == 1
-    if single:  # never touched when SINGLE_SPLIT; a one-element buffer keeps the signature fixed
-        part_acc = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device)
-        part_m = part_l = torch.empty((1, 1, 1), dtype=torch.float32, device=q.device)
-    else:
-        part_acc = torch.empty((batch, n_heads, num_splits, latent_dim), dtype=torch.float32, device=q.device)
-        part_m = torch.empty((batch, n_heads, num_splits), dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
+    part_acc, part_m, part_l = split_buffers(batch, n_heads, num_splits, latent_dim, q.device)
 
     args = (
         q, cache, block_tables, context_lens, o, part_acc, part_m, part_l,
@@ -201,13 +177,5 @@ def mla_decode_attention(
         _mla_decode_kernel[grid](*args, **meta, **INTERPRET_CONFIG.kwargs)
     else:
         _tuned_kernel()[grid](*args, **meta)
-    if not single:
-        _merge_splits_kernel[(batch, n_heads)](
-            part_acc, part_m, part_l, o,
-            part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
-            part_m.stride(0), part_m.stride(1),
-            o.stride(0), o.stride(1),
-            num_splits,
-            HEAD_DIM=latent_dim, BLOCK_D=block_c, SPLITS_PAD=triton.next_power_of_2(num_splits),
-        )
+    merge_splits(part_acc, part_m, part_l, o, num_splits, latent_dim, block_c)
     return o

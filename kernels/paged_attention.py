@@ -50,6 +50,41 @@ INTERPRET_CONFIG = triton.Config({"BLOCK_N": 32})
 
 
 @triton.jit
+def split_bounds(context_lens, b, split, window, SPLIT_GRANULE: tl.constexpr):
+    """[start, end) of sequence b's context for this program's split: every sequence spreads over all the splits (in
+    whole granules), so a short context in a launch sized for a long one (a CUDA graph sized by the model's maximum)
+    still runs on many programs; with a sliding ``window`` > 0 only its last ``window`` keys, the query's own
+    included, so earlier splits go empty. Shared with mla_decode.py."""
+    context_len = tl.load(context_lens + b)
+    tokens_per_split = tl.cdiv(tl.cdiv(context_len, tl.num_programs(2)), SPLIT_GRANULE) * SPLIT_GRANULE
+    start = split * tokens_per_split
+    end = tl.minimum(context_len, start + tokens_per_split)
+    if window > 0:
+        start = tl.maximum(start, context_len - window)
+    return start, end
+
+
+@triton.jit
+def finish_split(acc, l_i, m_i, O, part_acc, part_m, part_l, b64, heads, head_ok, offs_d, d_ok, split,
+                 stride_ob, stride_oh, stride_pab, stride_pah, stride_pas, stride_pmb, stride_pmh,
+                 SINGLE_SPLIT: tl.constexpr):
+    """A program's last step for its rows of query heads: with one split, normalise and write the output (an empty
+    context gives zeros); otherwise leave (m, l, unnormalised output) for the merge kernel. Shared with
+    mla_decode.py."""
+    if SINGLE_SPLIT:
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
+        o = acc / l_i[:, None]
+        o_ptrs = O + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=head_ok[:, None] & d_ok[None, :])
+    else:
+        pa = part_acc + b64 * stride_pab + heads[:, None] * stride_pah + split * stride_pas + offs_d[None, :]
+        tl.store(pa, acc, mask=head_ok[:, None] & d_ok[None, :])
+        pm = b64 * stride_pmb + heads * stride_pmh + split
+        tl.store(part_m + pm, m_i, mask=head_ok)
+        tl.store(part_l + pm, l_i, mask=head_ok)
+
+
+@triton.jit
 def _paged_decode_kernel(
     Q, K_cache, V_cache, block_tables, context_lens, O, part_acc, part_m, part_l,
     stride_qb, stride_qh,
@@ -69,16 +104,7 @@ def _paged_decode_kernel(
     kv_h = tl.program_id(1)
     split = tl.program_id(2)
 
-    # -- this program's slice of its own sequence's context: every sequence spreads over all the splits (in whole
-    # granules), so a short context in a launch sized for a long one (a CUDA graph sized by the model's maximum)
-    # still runs on many programs --
-    context_len = tl.load(context_lens + b)
-    tokens_per_split = tl.cdiv(tl.cdiv(context_len, tl.num_programs(2)), SPLIT_GRANULE) * SPLIT_GRANULE
-    start = split * tokens_per_split
-    end = tl.minimum(context_len, start + tokens_per_split)
-    if window > 0:
-        # Mistral's sliding window: only the last `window` keys, the query's own included; earlier splits go empty.
-        start = tl.maximum(start, context_len - window)
+    start, end = split_bounds(context_lens, b, split, window, SPLIT_GRANULE)
 
     # -- the query heads of this KV group, (GROUP_PAD, D); padding rows load as zeros and are never stored --
     offs_g = tl.arange(0, GROUP_PAD)
@@ -128,19 +154,8 @@ def _paged_decode_kernel(
         qk = tl.where(tok_ok[None, :], qk, float("-inf"))
         acc, l_i, m_i = online_softmax_step(qk, qk_scale, m_i, l_i, acc, v, DOT_PRECISION)
 
-    if SINGLE_SPLIT:
-        # -- the whole context was ours: normalise and write; an empty context gives zeros --
-        l_i = tl.where(l_i == 0.0, 1.0, l_i)
-        o = acc / l_i[:, None]
-        o_ptrs = O + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=head_ok[:, None] & d_ok[None, :])
-    else:
-        # -- leave (m, l, unnormalised output) for the merge kernel --
-        pa = part_acc + b64 * stride_pab + heads[:, None] * stride_pah + split * stride_pas + offs_d[None, :]
-        tl.store(pa, acc, mask=head_ok[:, None] & d_ok[None, :])
-        pm = b64 * stride_pmb + heads * stride_pmh + split
-        tl.store(part_m + pm, m_i, mask=head_ok)
-        tl.store(part_l + pm, l_i, mask=head_ok)
+    finish_split(acc, l_i, m_i, O, part_acc, part_m, part_l, b64, heads, head_ok, offs_d, d_ok, split,
+                 stride_ob, stride_oh, stride_pab, stride_pah, stride_pas, stride_pmb, stride_pmh, SINGLE_SPLIT)
 
 
 @triton.jit
@@ -191,6 +206,13 @@ def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"head dim must match and be 1..{MAX_HEAD_DIM}; got {head_dim} and {cache_head_dim}")
     if n_q_heads % n_kv_heads != 0:
         raise ValueError(f"query heads ({n_q_heads}) must be a multiple of key/value heads ({n_kv_heads})")
+    check_tables(block_size, block_tables, context_lens, batch)
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q and the caches must share a dtype; got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+
+
+def check_tables(block_size: int, block_tables: torch.Tensor, context_lens: torch.Tensor, batch: int) -> None:
+    """The page size and the per-sequence tables a paged decode kernel reads (shared with mla_decode.py)."""
     if block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two; got {block_size}")
     if block_tables.dim() != 2 or block_tables.shape[0] != batch or context_lens.shape != (batch,):
@@ -200,14 +222,51 @@ def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         )
     if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
         raise ValueError(f"block_tables and context_lens must be int32; got {block_tables.dtype}, {context_lens.dtype}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"q and the caches must share a dtype; got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
 
 
 def choose_num_splits(batch: int, n_kv_heads: int, max_context_len: int, device: torch.device) -> int:
     """Enough programs for about two waves over the SMs, but never splits shorter than _MIN_TOKENS_PER_SPLIT."""
     wanted = triton.cdiv(2 * sm_count(device), batch * n_kv_heads)
     return max(1, min(wanted, max_context_len // _MIN_TOKENS_PER_SPLIT))
+
+
+def split_count(block_tables: torch.Tensor, block_size: int, heads: int, max_context_len: int | None,
+                num_splits: int | None, device: torch.device) -> int:
+    """The splits of each sequence's context for a launch of `heads` programs per sequence and split: `num_splits`,
+    or choose_num_splits' over `max_context_len` (default: the block table's capacity, which needs no device-to-host
+    copy), never more than that bound has granules (past that every sequence would leave splits empty)."""
+    if max_context_len is None:
+        max_context_len = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = choose_num_splits(block_tables.shape[0], heads, max_context_len, device)
+    return max(1, min(num_splits, triton.cdiv(max(max_context_len, 1), _SPLIT_GRANULE)))
+
+
+def split_buffers(batch: int, n_heads: int, num_splits: int, width: int, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(part_acc, part_m, part_l): each split's unnormalised output and softmax state for the merge kernel; with one
+    split never touched, one-element buffers that keep the kernel's signature fixed."""
+    if num_splits == 1:
+        part_m = torch.empty((1, 1, 1), dtype=torch.float32, device=device)
+        return torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device), part_m, part_m
+    part_m = torch.empty((batch, n_heads, num_splits), dtype=torch.float32, device=device)
+    return (torch.empty((batch, n_heads, num_splits, width), dtype=torch.float32, device=device), part_m,
+            torch.empty_like(part_m))
+
+
+def merge_splits(part_acc: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, o: torch.Tensor,
+                 num_splits: int, width: int, block_d: int) -> None:
+    """o (B, H, width) from the splits' states left by a split launch (a no-op for one split)."""
+    if num_splits == 1:
+        return
+    _merge_splits_kernel[(o.shape[0], o.shape[1])](
+        part_acc, part_m, part_l, o,
+        part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
+        part_m.stride(0), part_m.stride(1),
+        o.stride(0), o.stride(1),
+        num_splits,
+        HEAD_DIM=width, BLOCK_D=block_d, SPLITS_PAD=triton.next_power_of_2(num_splits),
+    )
 
 
 def paged_decode_attention(
@@ -251,22 +310,9 @@ def paged_decode_attention(
     if batch == 0:
         return o
 
-    if max_context_len is None:
-        max_context_len = block_tables.shape[1] * block_size
-    if num_splits is None:
-        num_splits = choose_num_splits(batch, n_kv_heads, max_context_len, q.device)
-    # No more splits than the bound has granules: past that every sequence would leave splits empty.
-    num_splits = max(1, min(num_splits, triton.cdiv(max(max_context_len, 1), _SPLIT_GRANULE)))
+    num_splits = split_count(block_tables, block_size, n_kv_heads, max_context_len, num_splits, q.device)
     single = num_splits == 1
-
-    if single:
-        # Never touched when SINGLE_SPLIT; a one-element buffer keeps the signature fixed.
-        part_acc = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device)
-        part_m = part_l = torch.empty((1, 1, 1), dtype=torch.float32, device=q.device)
-    else:
-        part_acc = torch.empty((batch, n_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-        part_m = torch.empty((batch, n_q_heads, num_splits), dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
+    part_acc, part_m, part_l = split_buffers(batch, n_q_heads, num_splits, head_dim, q.device)
 
     args = (
         q, k_cache, v_cache, block_tables, context_lens, o, part_acc, part_m, part_l,
@@ -292,13 +338,5 @@ def paged_decode_attention(
     else:
         _tuned_kernel()[grid](*args, **meta)
 
-    if not single:
-        _merge_splits_kernel[(batch, n_q_heads)](
-            part_acc, part_m, part_l, o,
-            part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
-            part_m.stride(0), part_m.stride(1),
-            o.stride(0), o.stride(1),
-            num_splits,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=triton.next_power_of_2(num_splits),
-        )
+    merge_splits(part_acc, part_m, part_l, o, num_splits, head_dim, block_d)
     return o
