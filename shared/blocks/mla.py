@@ -122,13 +122,19 @@ class MultiHeadLatentAttention(nn.Module):
             k_rope = k_rope[:, 0]  # (B, T, d_rope), one rotated key part shared by every head
         if cache is not None:
             latent, k_rope = cache.append(latent, k_rope)
-        n = latent.shape[1]
-        kv = self.kv_b_proj(latent).view(b, n, self.n_heads, self.d_nope + self.d_v).transpose(1, 2)
-        k_nope, v = kv.split((self.d_nope, self.d_v), dim=-1)  # (B, H, N, dn), (B, H, N, dv)
-        k = torch.cat((k_nope, k_rope[:, None].expand(b, self.n_heads, n, self.d_rope)), dim=-1)
-        q = torch.cat((q_nope, q_rope), dim=-1)
-        o = self.backend.attend(q, k, v, causal=causal, sm_scale=self.sm_scale)  # (B, H, T, dv)
+        o = self._attend_expanded(q_nope, q_rope, latent, k_rope, causal=causal)  # (B, H, T, dv)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, self.n_heads * self.d_v))
+
+    def _attend_expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
+                         k_rope: torch.Tensor, *, causal: bool, window: int = 0) -> torch.Tensor:
+        """Queries q_nope (B, H, T, dn) and q_rope (B, H, T, dr) over per-head keys [W^UK c | k_R] and values W^UV c,
+        rebuilt from S latents (B, S, d_c) and rotated key parts (B, S, dr) -> (B, H, T, dv)."""
+        b, s = latent.shape[:2]
+        kv = self.kv_b_proj(latent).view(b, s, self.n_heads, self.d_nope + self.d_v).transpose(1, 2)
+        k_nope, v = kv.split((self.d_nope, self.d_v), dim=-1)  # (B, H, S, dn), (B, H, S, dv)
+        k = torch.cat((k_nope, k_rope[:, None].expand(b, self.n_heads, s, self.d_rope)), dim=-1)
+        q = torch.cat((q_nope, q_rope), dim=-1)
+        return self.backend.attend(q, k, v, causal=causal, sm_scale=self.sm_scale, window=window)
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., dim) -> every head's query (..., H (dn + dr))."""
@@ -172,18 +178,8 @@ class MultiHeadLatentAttention(nn.Module):
             else:
                 first = max(0, c.start - window + 1) if window else 0
                 context = gather(cache, c.table, first, c.context_len)[0, 0]  # (keys, d_c + dr)
-            out[rows] = self._expanded(q_nope[rows], q_rope[rows], context, window)
+            latent, k_rope = context[None].split((self.kv_latent_dim, self.d_rope), dim=-1)  # (1, S, d_c), (1, S, dr)
+            o = self._attend_expanded(q_nope[rows].transpose(0, 1)[None], q_rope[rows].transpose(0, 1)[None], latent,
+                                      k_rope, causal=True, window=window)  # (1, H, T, dv): the chunk's T queries
+            out[rows] = o[0].transpose(0, 1)
         return self.o_proj(out.flatten(1))
-
-    def _expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, context: torch.Tensor, window: int
-                  ) -> torch.Tensor:
-        """One prefill chunk's queries (T, H, dn), (T, H, dr), the last T of its `context` entries (S, d_c + dr),
-        attended over per-head keys [W^UK c | k_R] and values W^UV c -> (T, H, dv)."""
-        s = context.shape[0]
-        latent, k_rope = context.split((self.kv_latent_dim, self.d_rope), dim=-1)
-        kv = self.kv_b_proj(latent).view(s, self.n_heads, self.d_nope + self.d_v).transpose(0, 1)  # (H, S, dn + dv)
-        k_nope, v = kv.split((self.d_nope, self.d_v), dim=-1)
-        k = torch.cat((k_nope, k_rope[None].expand(self.n_heads, s, self.d_rope)), dim=-1)
-        q = torch.cat((q_nope, q_rope), dim=-1).transpose(0, 1)  # (H, T, dn + dr)
-        o = self.backend.attend(q[None], k[None], v[None], causal=True, sm_scale=self.sm_scale, window=window)
-        return o[0].transpose(0, 1)  # (T, H, dv)
