@@ -23,7 +23,6 @@
 #define KB 16 /* keys per register tile of scores: two vectors */
 #define MAX_DV 4 /* D / 8 */
 
-static inline v8 load8(const float *p) { return *(const v8u *)p; }
 static inline v8 vmax8(v8 a, v8 b) { return (v8)(((v8i)a & (a >= b)) | ((v8i)b & ~(a >= b))); }
 
 /* s[i][j] = scale q_i . k_j for the QT query rows qr against the keys of kt (d rows of kb keys each, transposed),

@@ -17,8 +17,6 @@
 typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
 typedef uint32_t v8w __attribute__((vector_size(32)));
 
-static inline v8 load8_f32(const float *p) { return *(const v8u *)p; }
-
 static inline v8 load8_bf16(const uint16_t *p) {
     v8w bits = __builtin_convertvector(*(const v8h *)p, v8w) << 16;
     v8 f;
@@ -30,7 +28,7 @@ static inline float hsum8(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2
 
 /* One weight row against M rows of x: M (M < 4: 2M) vector chains, then the tail of K past a multiple of 8. The
  * constant M of each instance lets the compiler keep every chain in a register. */
-#define DOT_ROWS(name, wtype, load8, at)                                                                        \
+#define DOT_ROWS(name, wtype, loadw, at)                                                                        \
     static inline void name(const float *x, const wtype *wr, float *out, int64_t k, const int M) {              \
         const int U = M < 4 ? 2 : 1;                                                                           \
         v8 acc[MAX_ROWS][2];                                                                                   \
@@ -38,8 +36,8 @@ static inline float hsum8(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2
         int64_t c = 0;                                                                                         \
         for (; c + 8 * U <= k; c += 8 * U)                                                                     \
             for (int u = 0; u < U; u++) {                                                                      \
-                v8 wv = load8(wr + c + 8 * u);                                                                 \
-                for (int i = 0; i < M; i++) acc[i][u] += load8_f32(x + i * k + c + 8 * u) * wv;                \
+                v8 wv = loadw(wr + c + 8 * u);                                                                 \
+                for (int i = 0; i < M; i++) acc[i][u] += load8(x + i * k + c + 8 * u) * wv;                    \
             }                                                                                                  \
         for (int i = 0; i < M; i++) {                                                                          \
             float s = hsum8(acc[i][0] + acc[i][1]);                                                            \
@@ -47,7 +45,7 @@ static inline float hsum8(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2
             out[i] = s;                                                                                        \
         }                                                                                                      \
     }
-DOT_ROWS(dot_rows_f32, float, load8_f32, f32_at)
+DOT_ROWS(dot_rows_f32, float, load8, f32_at)
 DOT_ROWS(dot_rows_bf16, uint16_t, load8_bf16, bf16_at)
 
 /* x (M, K) fp32, w (N, K) in `wtype` (bf16 as raw bits, widened to fp32 in registers: half the bytes streamed),

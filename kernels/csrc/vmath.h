@@ -26,6 +26,7 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4))); /* for an unaligned load or store */
 
 static inline v8 splat8(float f) { return (v8){f, f, f, f, f, f, f, f}; }
+static inline v8 load8(const float *p) { return *(const v8u *)p; }
 
 /* exp_poly on 8 lanes, written with vector operations: GCC 12 leaves an `omp simd` loop of exp_poly scalar ("control
  * flow in loop": its clamps). n is rounded by adding and taking away 1.5 * 2^23, exact for |n| < 2^22. */
